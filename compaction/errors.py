@@ -1,0 +1,44 @@
+"""One error hierarchy for the whole project.
+
+The core raises these; the boundaries (HTTP ingress, CLI, Ray job) translate them once,
+in one table, into status codes or exit messages.
+"""
+
+from __future__ import annotations
+
+
+class CompactionError(Exception):
+    """Base class: anything that made a compaction impossible. The caller's history is untouched."""
+
+
+class InvalidInput(CompactionError, ValueError):
+    """The request itself is wrong; retrying it unchanged cannot succeed."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+class ContextOverflow(InvalidInput):
+    """A prompt would not fit the model's context window."""
+
+
+class UnknownModel(InvalidInput):
+    """The request names a model the service does not host."""
+
+
+class BackendError(CompactionError):
+    """The model backend failed (engine error, replica died, HTTP error)."""
+
+
+class Overloaded(BackendError):
+    """The backend is saturated; the caller may retry after `retry_after_s`."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class ModelNotAvailable(CompactionError):
+    """Model weights are missing and cannot be obtained (for example: offline)."""

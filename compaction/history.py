@@ -1,0 +1,161 @@
+"""The conversation model and its one-time rendering into token ids.
+
+A history is a list of OpenAI-style chat messages. It is rendered ONCE with the model's chat
+template and tokenised once; every later stage (partition, layouts) works on those token ids,
+so chunk borders never re-tokenise and prompts share exact token prefixes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from compaction.errors import InvalidInput
+
+Role = Literal["system", "user", "assistant", "tool"]
+
+
+class ToolFunction(BaseModel):
+    model_config = ConfigDict(extra="allow", frozen=True)
+    name: str = Field(min_length=1, description="Name of the called tool.")
+    arguments: str = Field(default="", description="JSON-encoded arguments, as the OpenAI API sends them.")
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="allow", frozen=True)
+    id: str = Field(default="", description="Call id, echoed by the tool message that answers it.")
+    type: Literal["function"] = "function"
+    function: ToolFunction
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="allow", frozen=True)
+    type: Literal["text"] = "text"
+    text: str
+
+
+class Message(BaseModel):
+    """One OpenAI-style chat message. Frozen: the core never edits the caller's messages."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+    role: Role = Field(description="Who speaks: system, user, assistant or tool.")
+    content: str | list[TextPart] | None = Field(
+        default=None, description="Text, or a list of text parts; null only beside tool_calls."
+    )
+    name: str | None = Field(default=None, description="Optional speaker name.")
+    tool_calls: list[ToolCall] | None = Field(default=None, description="Tool calls of an assistant turn.")
+    tool_call_id: str | None = Field(default=None, description="The call a tool message answers.")
+
+    def text(self) -> str:
+        """The message content as one string (text parts joined)."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+def parse_messages(raw: Sequence[Any], field: str = "messages") -> list[Message]:
+    """Validate caller data into new Message objects (the caller's objects are never kept or changed)."""
+    if not raw:
+        raise InvalidInput(field, "the history is empty; send at least one message")
+    out: list[Message] = []
+    for i, item in enumerate(raw):
+        try:
+            message = item if isinstance(item, Message) else Message.model_validate(item)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            loc = ".".join(str(p) for p in first["loc"])
+            raise InvalidInput(f"{field}[{i}].{loc}".rstrip("."), first["msg"]) from exc
+        if message.content is None and not message.tool_calls:
+            raise InvalidInput(f"{field}[{i}].content", "content is null and there are no tool_calls")
+        out.append(message)
+    return out
+
+
+def _tag(kind: str, ident: str | None) -> str:
+    return f"[{kind} {ident}]" if ident else f"[{kind}]"
+
+
+def template_view(message: Message) -> dict[str, str]:
+    """The message as the plain {role, content} pair every chat template understands.
+
+    Chat templates such as ChatML know only role + string content, so tool traffic gets an
+    explicit rendering rule: an assistant's tool calls are appended as `[tool call id] name(args)`
+    lines, and a tool result becomes a user turn prefixed `[tool result id]`.
+    """
+    text = message.text()
+    if message.role == "tool":
+        return {"role": "user", "content": f"{_tag('tool result', message.tool_call_id)} {text}"}
+    if message.tool_calls:
+        calls = [f"{_tag('tool call', c.id)} {c.function.name}({c.function.arguments})" for c in message.tool_calls]
+        text = "\n".join([text, *calls] if text else calls)
+    if message.name and message.role in ("user", "assistant"):
+        return {"role": message.role, "content": text, "name": message.name}
+    return {"role": message.role, "content": text}
+
+
+class ChatTokenizer(Protocol):
+    """What the core needs from a model's tokenizer and chat template."""
+
+    def render(self, messages: Sequence[dict[str, str]]) -> str:
+        """The chat template applied to the messages, without a generation prompt."""
+        ...
+
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[int]]:
+        """Token ids of `text` (no special tokens added) and each token's start character."""
+        ...
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, token_ids: Sequence[int]) -> str: ...
+
+    def user_turn(self, content: str) -> str:
+        """Text that appends a user turn holding `content`, then the assistant generation prompt."""
+        ...
+
+    @property
+    def end_of_turn(self) -> str:
+        """Text the template writes after a message's content to close its turn."""
+        ...
+
+
+@dataclass(frozen=True)
+class RenderedHistory:
+    """A history rendered once: the token ids and where each message starts among them."""
+
+    messages: tuple[Message, ...]  # validated copies; the source of the verbatim parts of the output
+    token_ids: tuple[int, ...]  # the whole history through the chat template, no generation prompt
+    message_starts: tuple[int, ...]  # token index where message i begins; len == len(messages)
+
+    def message_index_at(self, token: int) -> int:
+        """Index of the message that holds token position `token`."""
+        index = 0
+        for i, start in enumerate(self.message_starts):
+            if start <= token:
+                index = i
+        return index
+
+
+def render_history(messages: Sequence[Message], tokenizer: ChatTokenizer) -> RenderedHistory:
+    """Render and tokenise the history once, recording each message's first token."""
+    views = [template_view(m) for m in messages]
+    text = tokenizer.render(views)
+    ids, starts = tokenizer.encode_with_offsets(text)
+    message_starts: list[int] = []
+    token = 0
+    for i in range(len(views)):
+        prefix = tokenizer.render(views[:i]) if i else ""
+        if not text.startswith(prefix):
+            raise InvalidInput(
+                "messages",
+                "the model's chat template does not render a history as a prefix of its continuation; "
+                "this model cannot be compacted in token space",
+            )
+        while token < len(starts) and starts[token] < len(prefix):
+            token += 1
+        message_starts.append(token)
+    return RenderedHistory(tuple(messages), tuple(ids), tuple(message_starts))

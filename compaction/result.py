@@ -1,0 +1,65 @@
+"""What a compaction returns: the compacted history and the stats that explain its cost."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from compaction.history import Message
+
+ChunkStatus = Literal["ok", "retried", "runaway_trimmed", "kept_verbatim"]
+
+
+class ChunkStats(BaseModel):
+    """One chunk's prompt(s) and summary. Token counts include the retry, if there was one."""
+
+    model_config = ConfigDict(frozen=True)
+    index: int = Field(description="0-based chunk position; summaries are merged in this order.")
+    start: int = Field(description="First token of the chunk in the rendered history.")
+    end: int = Field(description="One past the chunk's last token.")
+    prompt_tokens: int = Field(description="Prompt tokens sent, over all attempts.")
+    cached_prompt_tokens: int = Field(description="Prompt tokens the engine served from its prefix cache.")
+    computed_prefill_tokens: int = Field(description="prompt_tokens - cached_prompt_tokens.")
+    output_tokens: int = Field(description="Tokens generated, over all attempts.")
+    summary_tokens: int = Field(description="Tokens of the summary text kept for this chunk.")
+    latency_s: float = Field(description="Wall time from dispatch to the kept summary.")
+    retries: int = Field(description="Attempts repeated because the summary was empty or a runaway.")
+    failovers: int = Field(description="Times a request moved to another replica after a failure.")
+    status: ChunkStatus = Field(
+        description="ok; retried (the retry was good); runaway_trimmed (repeats collapsed); "
+        "kept_verbatim (no usable summary, the chunk text kept so nothing is lost)."
+    )
+    replica: str | None = Field(default=None, description="Replica that served the kept attempt.")
+
+
+class CompactionStats(BaseModel):
+    """Totals of one compaction, from the engine's own counts."""
+
+    model_config = ConfigDict(frozen=True)
+    strategy: str
+    layout: str
+    variant: str
+    history_tokens: int = Field(description="Tokens of the whole rendered history.")
+    input_tokens: int = Field(description="Tokens compacted (history minus kept system and recent turns).")
+    chunks: int
+    prompt_tokens: int
+    cached_prompt_tokens: int
+    computed_prefill_tokens: int
+    prefill_floor_tokens: int = Field(description="History once plus every prompt's own tokens, in blocks.")
+    output_tokens: int
+    summary_tokens: int
+    compacted_tokens: int = Field(description="Tokens of the compacted history, rendered.")
+    latency_s: float
+    retries: int
+    failovers: int
+    empty_or_runaway_chunks: list[int] = Field(description="Chunks whose first summary was empty or a runaway.")
+    replicas: list[str | None] = Field(description="Replica of each chunk, in chunk order.")
+    per_chunk: list[ChunkStats]
+
+
+class CompactionResult(BaseModel):
+    model_config = ConfigDict(frozen=True)
+    messages: list[Message] = Field(description="The compacted history: kept system turns, summary, recent turns.")
+    summary: str = Field(description="The merged chunk summaries, in chunk order.")
+    stats: CompactionStats

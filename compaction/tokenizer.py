@@ -1,0 +1,63 @@
+"""The Hugging Face implementation of `ChatTokenizer` (transformers is imported lazily)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+from compaction.errors import InvalidInput
+
+_PROBE = "\x00PROBE\x00"
+
+
+class HFChatTokenizer:
+    """A model's tokenizer and chat template, loaded from a local Hugging Face folder."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tok = tokenizer
+        if not getattr(tokenizer, "chat_template", None):
+            raise InvalidInput("model", "the tokenizer has no chat template")
+
+    @classmethod
+    def from_path(cls, path: str | Path) -> HFChatTokenizer:
+        from transformers import AutoTokenizer
+
+        return cls(AutoTokenizer.from_pretrained(str(path)))
+
+    def render(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = False) -> str:
+        text = self._tok.apply_chat_template(
+            list(messages), tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+        return str(text)
+
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[int]]:
+        enc = self._tok(text, add_special_tokens=False, return_offsets_mapping=True)
+        return list(enc["input_ids"]), [start for start, _ in enc["offset_mapping"]]
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok(text, add_special_tokens=False)["input_ids"])
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return str(self._tok.decode(list(token_ids), skip_special_tokens=True))
+
+    @cached_property
+    def _turn_parts(self) -> tuple[str, str, str]:
+        """(end of a turn, text before a user turn's content, text after it incl. the generation prompt)."""
+        system = [{"role": "system", "content": _PROBE}]
+        closed = self.render(system)
+        end_of_turn = closed[closed.index(_PROBE) + len(_PROBE) :]
+        both = self.render([*system, {"role": "user", "content": _PROBE}], add_generation_prompt=True)
+        if not both.startswith(closed):
+            raise InvalidInput("model", "the chat template does not append a user turn after a history")
+        before, after = both[len(closed) :].split(_PROBE)
+        return end_of_turn, before, after
+
+    @property
+    def end_of_turn(self) -> str:
+        return self._turn_parts[0]
+
+    def user_turn(self, content: str) -> str:
+        _, before, after = self._turn_parts
+        return f"{before}{content}{after}"

@@ -1,0 +1,173 @@
+"""Real implementations of `compaction.backend.Backend`.
+
+- `VLLMBackend`: an in-process vLLM engine (AsyncLLM) with prefix caching; prompts go in as
+  token ids and the engine reports `num_cached_tokens` per request.
+- `OpenAIBackend`: any OpenAI-compatible `/v1/completions` endpoint (vLLM's server, Ray Serve
+  LLM). The prompt is a token-id list; cached tokens come from `usage.prompt_tokens_details`.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from compaction.backend import Generation, GenerationRequest
+from compaction.errors import BackendError, InvalidInput, Overloaded
+
+
+class VLLMBackend:
+    """An in-process vLLM engine. Create it under `if __name__ == "__main__":` (vLLM spawns a process)."""
+
+    def __init__(self, engine: Any, name: str = "local") -> None:
+        self.engine = engine
+        self.name = name
+
+    @classmethod
+    def start(
+        cls,
+        model_path: str | Path,
+        *,
+        max_model_len: int = 8192,
+        kv_cache_gib: int = 2,
+        enforce_eager: bool = True,
+        **engine_kwargs: Any,
+    ) -> VLLMBackend:
+        """Start an engine with prefix caching on. On the CPU the KV cache size comes from the environment.
+
+        The cache block size is the engine's choice (128 tokens on vLLM-CPU, 16 on CUDA) unless
+        `block_size=` is passed; read it back from `block_size`.
+        """
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        args = AsyncEngineArgs(
+            model=str(model_path),
+            dtype="bfloat16",
+            max_model_len=max_model_len,
+            enable_prefix_caching=True,
+            enforce_eager=enforce_eager,
+            **engine_kwargs,
+        )
+        return cls(AsyncLLM.from_engine_args(args))
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per prefix-cache block: reuse stops at a block border."""
+        return int(self.engine.vllm_config.cache_config.block_size)
+
+    @property
+    def max_model_len(self) -> int:
+        return int(self.engine.vllm_config.model_config.max_model_len)
+
+    async def generate(self, request: GenerationRequest) -> Generation:
+        from vllm import SamplingParams, TokensPrompt
+
+        params = SamplingParams(
+            max_tokens=request.max_tokens,
+            min_tokens=request.min_tokens,
+            temperature=request.temperature,
+            repetition_penalty=request.repetition_penalty,
+        )
+        began = time.perf_counter()
+        final = None
+        request_id = f"{request.request_id or 'req'}-{uuid.uuid4().hex[:8]}"
+        try:
+            async for out in self.engine.generate(
+                TokensPrompt(prompt_token_ids=list(request.prompt_token_ids)), params, request_id=request_id
+            ):
+                final = out
+        except ValueError as exc:  # vLLM rejects prompts it cannot take (too long, bad ids)
+            raise InvalidInput("prompt", str(exc)) from exc
+        except Exception as exc:
+            raise BackendError(f"vLLM engine failed on {request_id}: {exc}") from exc
+        if final is None or not final.outputs:
+            raise BackendError(f"vLLM engine returned no output for {request_id}")
+        completion = final.outputs[0]
+        return Generation(
+            text=completion.text,
+            output_tokens=len(completion.token_ids),
+            prompt_tokens=len(request.prompt_token_ids),
+            cached_prompt_tokens=final.num_cached_tokens or 0,
+            finish_reason=completion.finish_reason or "stop",
+            latency_s=time.perf_counter() - began,
+            replica=self.name,
+        )
+
+    async def reset_prefix_cache(self) -> None:
+        await self.engine.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        """Stop the engine process now (not at interpreter exit, when vLLM's teardown misfires)."""
+        if self.engine is not None:
+            self.engine.shutdown()
+            self.engine = None
+
+
+class OpenAIBackend:
+    """An OpenAI-compatible completions endpoint that accepts token-id prompts."""
+
+    def __init__(
+        self,
+        base_url: str,
+        model: str,
+        *,
+        api_key: str | None = None,
+        timeout_s: float = 600.0,
+        client: httpx.AsyncClient | None = None,
+    ) -> None:
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.model = model
+        self.client = client or httpx.AsyncClient(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout_s)
+
+    async def generate(self, request: GenerationRequest) -> Generation:
+        body: dict[str, Any] = {
+            "model": self.model,
+            "prompt": list(request.prompt_token_ids),
+            "max_tokens": request.max_tokens,
+            "temperature": request.temperature,
+        }
+        if request.min_tokens:
+            body["min_tokens"] = request.min_tokens
+        if request.repetition_penalty != 1.0:
+            body["repetition_penalty"] = request.repetition_penalty
+        headers = {"x-session-id": request.routing_key} if request.routing_key else {}
+        began = time.perf_counter()
+        try:
+            response = await self.client.post("/v1/completions", json=body, headers=headers)
+        except httpx.HTTPError as exc:
+            raise BackendError(f"completions endpoint unreachable: {exc!r}") from exc
+        if response.status_code in (429, 503):
+            retry = float(response.headers.get("retry-after", "1") or 1)
+            raise Overloaded(f"completions endpoint busy ({response.status_code})", retry)
+        if response.status_code >= 400:
+            raise BackendError(f"completions endpoint answered {response.status_code}: {response.text[:300]}")
+        return parse_completion(response.json(), len(request.prompt_token_ids), time.perf_counter() - began)
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+
+def parse_completion(data: dict[str, Any], prompt_len: int, latency_s: float) -> Generation:
+    """A `/v1/completions` response body as a Generation."""
+    try:
+        choice = data["choices"][0]
+        usage = data.get("usage") or {}
+        details = usage.get("prompt_tokens_details") or {}
+        return Generation(
+            text=choice.get("text") or "",
+            output_tokens=int(usage.get("completion_tokens", 0)),
+            prompt_tokens=int(usage.get("prompt_tokens", prompt_len)),
+            cached_prompt_tokens=int(details.get("cached_tokens") or 0),
+            finish_reason=choice.get("finish_reason") or "stop",
+            latency_s=latency_s,
+            replica=data.get("replica"),
+        )
+    except (KeyError, IndexError, TypeError, ValueError) as exc:
+        raise BackendError(f"malformed completions response: {str(data)[:300]}") from exc

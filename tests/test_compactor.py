@@ -1,0 +1,142 @@
+"""The compaction flow on the real tokenizer with a fake backend (pure; no engine)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from compaction.backend import GenerationRequest
+from compaction.compactor import SUMMARY_HEADER, Compactor
+from compaction.errors import BackendError, ContextOverflow, InvalidInput
+from compaction.tokenizer import HFChatTokenizer
+from tests.fakes import FakeBackend
+
+
+def history(turns: int = 40) -> list[dict]:
+    out = [{"role": "system", "content": "You are a travel agent."}]
+    for i in range(turns):
+        out.append({"role": "user", "content": f"Turn {i}: please book trip number {i} to city {i} on day {i}."})
+        out.append({"role": "assistant", "content": f"Booked trip {i}; confirmation code C{i:04d}."})
+    return out
+
+
+def make(tokenizer: HFChatTokenizer, **kw) -> tuple[Compactor, FakeBackend]:
+    backend = FakeBackend(**kw)
+    return Compactor(tokenizer, backend, context_window=8192, block_size=16), backend
+
+
+async def test_parallel_merges_in_chunk_order_and_keeps_system(tokenizer: HFChatTokenizer) -> None:
+    def by_chunk(request: GenerationRequest) -> tuple[str, str]:
+        return f"S{request.request_id.split('-')[1]}.", "stop"
+
+    compactor, backend = make(tokenizer, script=by_chunk)
+    result = await compactor.compact(history(), {"chunk_tokens": 128})
+    n = result.stats.chunks
+    assert n == len(backend.requests) > 3
+    assert result.summary == "\n\n".join(f"S{k}." for k in range(n))
+    assert result.messages[0].content == "You are a travel agent."
+    assert result.messages[1].content == f"{SUMMARY_HEADER}\n{result.summary}"
+    assert len(result.messages) == 2
+    assert result.stats.compacted_tokens < result.stats.history_tokens
+
+
+async def test_prefix_exact_reaches_the_floor_and_paper_does_not(tokenizer: HFChatTokenizer) -> None:
+    figures = {}
+    for layout in ("prefix_exact", "paper"):
+        compactor, _ = make(tokenizer)
+        stats = (await compactor.compact(history(60), {"chunk_tokens": 256, "layout": layout})).stats
+        figures[layout] = stats.computed_prefill_tokens / stats.prefill_floor_tokens
+    assert figures["prefix_exact"] <= 1.0
+    assert figures["paper"] > 1.5
+
+
+async def test_budgets_reach_the_backend(tokenizer: HFChatTokenizer) -> None:
+    compactor, backend = make(tokenizer)
+    await compactor.compact(history(), {"chunk_tokens": 256, "max_chunk_summary_tokens": 33})
+    assert {r.max_tokens for r in backend.requests} == {33} and {r.min_tokens for r in backend.requests} == {0}
+    compactor, backend = make(tokenizer)
+    await compactor.compact(
+        history(), {"strategy": "sequential", "max_chunk_summary_tokens": 99, "fixed_output_tokens": True}
+    )
+    assert [(r.max_tokens, r.min_tokens) for r in backend.requests] == [(99, 99)]
+
+
+async def test_keep_recent_tokens_keeps_whole_newest_messages(tokenizer: HFChatTokenizer) -> None:
+    compactor, _ = make(tokenizer)
+    source = history()
+    result = await compactor.compact(source, {"chunk_tokens": 256, "keep_recent_tokens": 70})
+    kept = result.messages[2:]
+    assert kept and [m.model_dump(exclude_none=True) for m in kept] == source[-len(kept) :]
+    assert result.stats.input_tokens < result.stats.history_tokens - 60
+
+
+async def test_runaway_is_retried_then_trimmed_and_empty_is_kept_verbatim(tokenizer: HFChatTokenizer) -> None:
+    loop = "The user booked a trip. " * 40
+
+    def script(request: GenerationRequest) -> tuple[str, str]:
+        chunk = request.request_id.split("-")[1]
+        if chunk == "0":
+            return loop, "length"
+        if chunk == "1":
+            return "   ", "stop"
+        if request.request_id == "chunk-2-first":
+            return loop, "length"
+        return "fine.", "stop"
+
+    compactor, backend = make(tokenizer, script=script)
+    result = await compactor.compact(history(), {"chunk_tokens": 128})
+    status = [c.status for c in result.stats.per_chunk]
+    assert status[:4] == ["runaway_trimmed", "kept_verbatim", "retried", "ok"]
+    assert result.stats.empty_or_runaway_chunks == [0, 1, 2]
+    assert result.stats.retries == 3
+    retry = next(r for r in backend.requests if r.request_id == "chunk-0-retry")
+    assert retry.repetition_penalty > 1.0
+    assert "never repeat a sentence" in tokenizer.decode(retry.prompt_token_ids)
+    parts = result.summary.split("\n\n")
+    assert parts[0] == "The user booked a trip."
+    plan = compactor.plan(history(), {"chunk_tokens": 128})
+    chunk = plan.prompts[1].chunk
+    assert parts[1] == tokenizer.decode(plan.history.token_ids[chunk.start : chunk.end]).strip()
+    assert "Turn 3" in parts[1]
+
+
+async def test_failed_chunk_fails_the_compaction_and_history_is_untouched(tokenizer: HFChatTokenizer) -> None:
+    compactor, _ = make(tokenizer, fail_on={2})
+    source = history()
+    before = copy.deepcopy(source)
+    with pytest.raises(BackendError):
+        await compactor.compact(source, {"chunk_tokens": 128})
+    assert source == before
+
+
+@pytest.mark.parametrize(
+    ("messages", "options", "field"),
+    [
+        ([], {}, "messages"),
+        ([{"role": "system", "content": "x"}], {}, "messages"),
+        (history(3), {"chunk_tokens": 8}, "chunk_tokens"),
+        (history(3), {"layout": "spiral"}, "layout"),
+        (history(3), {"variant": "poetic"}, "variant"),
+        (history(3), {"strategy": "both"}, "strategy"),
+        (history(3), {"max_chunk_summary_tokens": 0}, "max_chunk_summary_tokens"),
+        (history(3), {"keep_recent_tokens": 100000}, "keep_recent_tokens"),
+        (history(3), {"chunk_instructions": {9: "x"}}, "chunk_instructions"),
+        (history(3), {"colour": "red"}, "colour"),
+    ],
+)
+def test_bad_input_raises_one_error_type(tokenizer: HFChatTokenizer, messages, options, field) -> None:
+    compactor, backend = make(tokenizer)
+    before = copy.deepcopy(messages)
+    with pytest.raises(InvalidInput) as err:
+        compactor.plan(messages, options)
+    assert err.value.field == field and err.value.message
+    assert messages == before and not backend.requests
+
+
+def test_history_over_the_window_for_sequential(tokenizer: HFChatTokenizer) -> None:
+    compactor = Compactor(tokenizer, FakeBackend(), context_window=512, block_size=16)
+    with pytest.raises(ContextOverflow, match="strategy=parallel with layout=independent"):
+        compactor.plan(history(30), {"strategy": "sequential"})
+    plan = compactor.plan(history(30), {"layout": "independent", "chunk_tokens": 128})
+    assert max(len(p) for p in plan.prompts) + 256 <= 512

@@ -1,0 +1,61 @@
+import pytest
+
+from compaction.errors import InvalidInput
+from compaction.history import parse_messages, render_history, template_view
+from compaction.tokenizer import HFChatTokenizer
+
+
+def test_message_starts_split_the_rendering(tokenizer: HFChatTokenizer) -> None:
+    messages = parse_messages(
+        [
+            {"role": "system", "content": "You are terse."},
+            {"role": "user", "content": "Where is Paris?"},
+            {"role": "assistant", "content": "In France."},
+        ]
+    )
+    rendered = render_history(messages, tokenizer)
+    ids = rendered.token_ids
+    assert rendered.message_starts[0] == 0
+    for i, start in enumerate(rendered.message_starts):
+        end = (*rendered.message_starts[1:], len(ids))[i]
+        piece = tokenizer.decode(ids[start:end])
+        assert messages[i].text() in piece
+    assert list(ids) == tokenizer.encode(tokenizer.render([template_view(m) for m in messages]))
+
+
+def test_tool_traffic_has_an_explicit_rendering() -> None:
+    call = parse_messages(
+        [
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [{"id": "c1", "function": {"name": "ls", "arguments": "{}"}}],
+            }
+        ]
+    )[0]
+    result = parse_messages([{"role": "tool", "tool_call_id": "c1", "content": "a.txt"}])[0]
+    assert template_view(call) == {"role": "assistant", "content": "[tool call c1] ls({})"}
+    assert template_view(result) == {"role": "user", "content": "[tool result c1] a.txt"}
+
+
+def test_text_parts_are_joined() -> None:
+    message = parse_messages(
+        [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    )
+    assert message[0].text() == "ab"
+
+
+@pytest.mark.parametrize(
+    ("raw", "field"),
+    [
+        ([], "messages"),
+        ([{"role": "robot", "content": "x"}], "messages[0].role"),
+        ([{"content": "x"}], "messages[0].role"),
+        ([{"role": "user", "content": 5}], "messages[0].content"),
+        ([{"role": "user"}], "messages[0].content"),
+    ],
+)
+def test_bad_messages_name_the_field(raw: list, field: str) -> None:
+    with pytest.raises(InvalidInput) as err:
+        parse_messages(raw)
+    assert err.value.field.startswith(field)

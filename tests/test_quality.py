@@ -1,0 +1,23 @@
+from compaction.quality import collapse_repeats, judge, repetition_ratio
+
+
+def test_loop_that_hits_the_limit_is_runaway() -> None:
+    loop = "Caroline went to the support group. " * 20
+    assert repetition_ratio(loop) > 0.8
+    assert judge(loop, "length") == "runaway"
+    assert judge(loop, "stop") == "ok"  # a repetitive text that ended on its own is left alone
+
+
+def test_varied_text_at_the_limit_is_ok() -> None:
+    text = " ".join(f"fact {i} about topic {i * 7} happened on day {i * 3}" for i in range(30))
+    assert judge(text, "length") == "ok"
+
+
+def test_empty_and_blank() -> None:
+    assert judge("", "stop") == "empty"
+    assert judge(" \n\t", "length") == "empty"
+
+
+def test_collapse_keeps_first_occurrences_in_order() -> None:
+    text = "A went home. B stayed. A went home. B stayed.\nA went home."
+    assert collapse_repeats(text) == "A went home. B stayed."

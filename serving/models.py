@@ -1,0 +1,145 @@
+"""The model catalogue: pydantic entries loaded from YAML, each turned into a ray.serve.llm LLMConfig."""
+
+from __future__ import annotations
+
+from functools import cached_property
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from compaction.errors import InvalidInput, UnknownModel
+
+DEFAULT_CATALOGUE = Path(__file__).with_name("catalogue.yaml")
+CPU_DEFAULT_SOURCE = "cpu-default"
+
+
+class Replicas(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    min: int = Field(1, ge=0, le=1024, description="Autoscaling lower bound.")
+    max: int = Field(1, ge=1, le=1024, description="Autoscaling upper bound.")
+    initial: int = Field(1, ge=0, le=1024, description="Replicas started with the application.")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> Replicas:
+        if not self.min <= self.initial <= self.max:
+            raise ValueError(f"need min <= initial <= max, got {self.min}, {self.initial}, {self.max}")
+        return self
+
+
+class ModelSpec(BaseModel):
+    """One hosted model: what to load, on what hardware, with what limits."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    name: str = Field(min_length=1, description="Model id in the API (`model` field of requests).")
+    source: str = Field(min_length=1, description="HF repo id, local folder, or `cpu-default`.")
+    device: Literal["cpu", "gpu"] = Field(description="Which vLLM build serves it.")
+    accelerator_type: str | None = Field(None, description="Ray accelerator type of the GPU (e.g. H100).")
+    tensor_parallel_size: int = Field(1, ge=1, le=8, description="GPUs per replica, on one node.")
+    quantization: str | None = Field(None, description="vLLM quantization method, when not in the checkpoint.")
+    max_model_len: int = Field(ge=512, le=1_048_576, description="Context window the engine is started with.")
+    block_size: int = Field(16, ge=1, le=1024, description="Prefix-cache block size in tokens.")
+    weights_gib: float = Field(0.0, ge=0, description="Weight memory per replica (all GPUs), for sizing.")
+    kv_bytes_per_token: int = Field(0, ge=0, description="KV-cache bytes per token (all GPUs), for sizing.")
+    kv_cache_gib: int = Field(1, ge=1, le=512, description="CPU only: KV cache size (VLLM_CPU_KVCACHE_SPACE).")
+    replicas: Replicas = Field(default_factory=Replicas)
+    replica_cpus: float = Field(1.0, gt=0, le=64, description="Logical CPUs of the replica actor.")
+    engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="Extra vLLM engine arguments.")
+    description: str = ""
+
+    @model_validator(mode="after")
+    def _gpu_fields(self) -> ModelSpec:
+        if self.device == "gpu" and not self.accelerator_type:
+            raise ValueError(f"{self.name}: a GPU model needs accelerator_type")
+        if self.device == "cpu" and self.tensor_parallel_size != 1:
+            raise ValueError(f"{self.name}: the CPU engine runs tensor_parallel_size 1")
+        return self
+
+    def resolved_source(self) -> str:
+        """The path or repo id vLLM loads; `cpu-default` becomes the converted SmolLM2 folder."""
+        if self.source == CPU_DEFAULT_SOURCE:
+            from serving.weights import model_dir
+
+            return str(model_dir())
+        return self.source
+
+    def engine_args(self) -> dict[str, Any]:
+        """vLLM engine arguments: prefix caching and chunked prefill on, prompt-cache details reported."""
+        args: dict[str, Any] = {
+            "max_model_len": self.max_model_len,
+            "enable_prefix_caching": True,
+            "enable_chunked_prefill": True,
+            "enable_prompt_tokens_details": True,
+            "tensor_parallel_size": self.tensor_parallel_size,
+        }
+        if self.device == "cpu":
+            args |= {"dtype": "bfloat16", "enforce_eager": True}
+        else:
+            args["block_size"] = self.block_size
+        if self.quantization:
+            args["quantization"] = self.quantization
+        return args | self.engine_kwargs
+
+    def llm_config(self) -> Any:
+        """This entry as a ray.serve.llm LLMConfig (validated by Ray's own model)."""
+        from ray.serve.llm import LLMConfig
+
+        deployment: dict[str, Any] = {
+            "autoscaling_config": {
+                "min_replicas": self.replicas.min,
+                "max_replicas": self.replicas.max,
+                "initial_replicas": self.replicas.initial,
+            },
+            "ray_actor_options": {"num_cpus": self.replica_cpus},
+        }
+        config: dict[str, Any] = {
+            "model_loading_config": {"model_id": self.name, "model_source": self.resolved_source()},
+            "engine_kwargs": self.engine_args(),
+            "deployment_config": deployment,
+            "log_engine_metrics": True,
+        }
+        if self.device == "gpu":
+            config["accelerator_type"] = self.accelerator_type
+            config["placement_group_config"] = {
+                "bundles": [{"CPU": 1, "GPU": 1}] * self.tensor_parallel_size,
+                "strategy": "STRICT_PACK",
+            }
+        else:
+            config["placement_group_config"] = {"bundles": [{"CPU": self.replica_cpus * 2}]}
+            config["runtime_env"] = {
+                "env_vars": {"VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib), "HF_HUB_OFFLINE": "1"}
+            }
+        return LLMConfig(**config)
+
+
+class Catalogue(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    models: list[ModelSpec] = Field(min_length=1)
+
+    @cached_property
+    def by_name(self) -> dict[str, ModelSpec]:
+        return {m.name: m for m in self.models}
+
+    @model_validator(mode="after")
+    def _unique(self) -> Catalogue:
+        names = [m.name for m in self.models]
+        if len(set(names)) != len(names):
+            raise ValueError(f"duplicate model names in {names}")
+        return self
+
+    def get(self, name: str) -> ModelSpec:
+        if name not in self.by_name:
+            raise UnknownModel("model", f"unknown model {name!r}; hosted: {sorted(self.by_name)}")
+        return self.by_name[name]
+
+
+def load_catalogue(path: str | Path | None = None) -> Catalogue:
+    """Read and validate a catalogue YAML (default: the one shipped with the package)."""
+    file = Path(path) if path else DEFAULT_CATALOGUE
+    try:
+        return Catalogue.model_validate(yaml.safe_load(file.read_text()))
+    except (OSError, yaml.YAMLError) as exc:
+        raise InvalidInput("catalogue", f"cannot read {file}: {exc}") from exc
+    except ValidationError as exc:
+        raise InvalidInput("catalogue", f"{file} is invalid: {exc}") from exc

@@ -101,8 +101,8 @@ def template_view(message: Message) -> dict[str, str]:
 class ChatTokenizer(Protocol):
     """What the core needs from a model's tokenizer and chat template."""
 
-    def render(self, messages: Sequence[dict[str, str]]) -> str:
-        """The chat template applied to the messages, without a generation prompt."""
+    def render(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = False) -> str:
+        """The chat template applied to the messages (by default without a generation prompt)."""
         ...
 
     def encode_with_offsets(self, text: str) -> tuple[list[int], list[int]]:

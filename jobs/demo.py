@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sample-id", default=None, help="LoCoMo sample (default: the first)")
     parser.add_argument("--history-tokens", type=int, default=4096, help="Use the first messages up to this size")
     parser.add_argument("--chunk-tokens", type=int, default=512)
-    parser.add_argument("--summary-tokens", type=int, default=512, help="Total summary budget of each run")
+    parser.add_argument("--summary-tokens", type=int, default=256, help="Total summary budget of each run")
     parser.add_argument("--variant", default="default", choices=["concise", "default", "detailed"])
     args = parser.parse_args(argv)
     try:

@@ -81,3 +81,16 @@ def gpu_fit(spec: ModelSpec, device_gib: float = H100_80GB_GIB) -> GpuFit:
         kv_tokens=tokens,
         max_model_len=spec.max_model_len,
     )
+
+
+def main() -> None:
+    """Print the memory plan of every GPU model in the shipped catalogue."""
+    from serving.models import load_catalogue
+
+    for spec in load_catalogue().models:
+        if spec.device == "gpu":
+            print(gpu_fit(spec).row())
+
+
+if __name__ == "__main__":
+    main()

@@ -101,7 +101,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--address", required=True)
     parser.add_argument("--out", required=True, help="JSON file for the placements")
-    parser.add_argument("--pending-wait-s", type=float, default=10.0)
+    parser.add_argument("--pending-wait-s", type=float, default=5.0)
     args = parser.parse_args()
     ray.init(address=args.address, namespace="cluster-rehearsal", log_to_driver=False)
     try:

@@ -174,5 +174,5 @@ def test_replicas_and_chunk_tasks_land_on_the_node_type_each_model_asks_for(plac
 
 def test_a_one_gpu_model_does_not_take_half_of_an_idle_nvlink_pair(placements: dict[str, Any]) -> None:
     # With the only single-H100 node busy, gpt-oss-20b's placement group waits for a new 1g node (the autoscaler's
-    # job) although the pair node still has two free GPUs.
+    # job) although the pair node's two GPUs are free: the 70B deployed right after takes both of them.
     assert placements["second_single_gpu_model_pending"] is True

@@ -63,6 +63,15 @@ def test_cluster_yaml_passes_the_autoscaler_schema_shipped_with_ray(
     jsonschema.validate(cluster, autoscaler_schema)
 
 
+def test_cluster_yaml_passes_the_launchers_own_checks(cluster: dict[str, Any]) -> None:
+    # What `ray up` runs before talking to the cloud: fill in defaults, then validate (schema + node-type rules).
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    prepared = prepare_config(copy.deepcopy(cluster))
+    validate_config(prepared)
+    assert prepared["available_node_types"][prepared["head_node_type"]]["max_workers"] == 0
+
+
 @pytest.mark.parametrize(
     "break_it",
     [

@@ -13,6 +13,10 @@ from compaction.errors import InvalidInput, UnknownModel
 
 DEFAULT_CATALOGUE = Path(__file__).with_name("catalogue.yaml")
 CPU_DEFAULT_SOURCE = "cpu-default"
+# Engine arguments that are catalogue fields (sizing reads them), so engine_kwargs may not override them.
+FIELD_ENGINE_ARGS = frozenset(
+    {"max_model_len", "tensor_parallel_size", "quantization", "gpu_memory_utilization", "kv_cache_dtype", "block_size"}
+)
 
 
 class Replicas(BaseModel):
@@ -37,11 +41,39 @@ class ModelSpec(BaseModel):
     device: Literal["cpu", "gpu"] = Field(description="Which vLLM build serves it.")
     accelerator_type: str | None = Field(None, description="Ray accelerator type of the GPU (e.g. H100).")
     tensor_parallel_size: int = Field(1, ge=1, le=8, description="GPUs per replica, on one node.")
-    quantization: str | None = Field(None, description="vLLM quantization method, when not in the checkpoint.")
+    quantization: str | None = Field(
+        None, description="vLLM quantization method (vLLM checks it against the checkpoint's own, if any)."
+    )
     max_model_len: int = Field(ge=512, le=1_048_576, description="Context window the engine is started with.")
     block_size: int = Field(16, ge=1, le=1024, description="Prefix-cache block size in tokens.")
-    weights_gib: float = Field(0.0, ge=0, description="Weight memory per replica (all GPUs), for sizing.")
-    kv_bytes_per_token: int = Field(0, ge=0, description="KV-cache bytes per token (all GPUs), for sizing.")
+    weights_gib: float = Field(
+        0.0, ge=0, description="GPU memory the loaded weights take per replica (all GPUs, GiB), for sizing."
+    )
+    kv_bytes_per_token: int = Field(
+        0, ge=0, description="bf16 KV bytes per token of the full-attention layers (all GPUs), for sizing."
+    )
+    window_kv_bytes_per_token: int = Field(
+        0, ge=0, description="bf16 KV bytes per token of the sliding-window layers (all GPUs), for sizing."
+    )
+    sliding_window: int | None = Field(
+        None, ge=1, description="Tokens a sliding-window layer keeps; needed when window_kv_bytes_per_token > 0."
+    )
+    kv_cache_dtype: Literal["auto", "fp8"] = Field("auto", description="GPU only: KV-cache dtype (auto = bf16).")
+    gpu_memory_utilization: float = Field(
+        0.9, gt=0.1, le=0.98, description="GPU only: share of each GPU's memory vLLM may take (weights + KV + runtime)."
+    )
+    runtime_reserve_gib: float = Field(
+        4.0,
+        ge=0,
+        le=40,
+        description="GPU only, for sizing: per-GPU memory outside weights and KV (activations, "
+        "CUDA graphs, NCCL/cuBLAS workspaces).",
+    )
+    replica_resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Custom Ray resources each replica asks for; a resource only one node type has pins the "
+        "replica to that node type (see cluster/).",
+    )
     kv_cache_gib: int = Field(1, ge=1, le=512, description="CPU only: KV cache size (VLLM_CPU_KVCACHE_SPACE).")
     replicas: Replicas = Field(default_factory=Replicas)
     replica_cpus: float = Field(1.0, gt=0, le=64, description="Logical CPUs of the replica actor.")
@@ -54,6 +86,13 @@ class ModelSpec(BaseModel):
             raise ValueError(f"{self.name}: a GPU model needs accelerator_type")
         if self.device == "cpu" and self.tensor_parallel_size != 1:
             raise ValueError(f"{self.name}: the CPU engine runs tensor_parallel_size 1")
+        if self.device == "gpu" and (self.weights_gib <= 0 or self.kv_bytes_per_token <= 0):
+            raise ValueError(f"{self.name}: a GPU model needs weights_gib and kv_bytes_per_token for sizing")
+        if self.window_kv_bytes_per_token and not self.sliding_window:
+            raise ValueError(f"{self.name}: window_kv_bytes_per_token needs sliding_window")
+        modelled = sorted(FIELD_ENGINE_ARGS & self.engine_kwargs.keys())
+        if modelled:
+            raise ValueError(f"{self.name}: set {modelled} as catalogue fields, not in engine_kwargs")
         return self
 
     def resolved_source(self) -> str:
@@ -76,7 +115,9 @@ class ModelSpec(BaseModel):
         if self.device == "cpu":
             args |= {"dtype": "bfloat16", "enforce_eager": True}
         else:
-            args["block_size"] = self.block_size
+            args |= {"block_size": self.block_size, "gpu_memory_utilization": self.gpu_memory_utilization}
+            if self.kv_cache_dtype != "auto":
+                args["kv_cache_dtype"] = self.kv_cache_dtype
         if self.quantization:
             args["quantization"] = self.quantization
         return args | self.engine_kwargs
@@ -93,6 +134,8 @@ class ModelSpec(BaseModel):
             },
             "ray_actor_options": {"num_cpus": self.replica_cpus},
         }
+        if self.replica_resources:
+            deployment["ray_actor_options"]["resources"] = dict(self.replica_resources)
         config: dict[str, Any] = {
             "model_loading_config": {"model_id": self.name, "model_source": self.resolved_source()},
             "engine_kwargs": self.engine_args(),

@@ -1,0 +1,178 @@
+"""Multi-node rehearsal on one machine: a CPU head plus two `ray start --address` worker nodes that declare the GPU
+node types' resources of cluster/gcp-h100.yaml (GPUs logically, `accelerator_type:H100`, `single_h100` /
+`nvlink_pair`). Stand-in replicas with the catalogue's own placement groups, and their chunk tasks, must land on
+the node type the config asks for and never on the head. No GPU and no vLLM engine are needed.
+
+CPU counts are scaled down to this machine; GPU and custom resources are the cluster YAML's, as declared.
+Every node is started in its own process group and killed by group in teardown (never `ray stop`, which would
+stop every Ray cluster on the machine).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+pytestmark = pytest.mark.ray
+
+ROOT = Path(__file__).resolve().parents[1]
+RAY = str(Path(sys.executable).with_name("ray"))
+GCS_PORT = 18200
+# Per node: (node-manager, object-manager, dashboard-agent http, dashboard-agent grpc, runtime-env agent, metrics,
+# first worker port, last worker port). All inside 18200-18299.
+NODE_PORTS = {
+    "head": (18202, 18203, 18204, 18205, 18206, 18207, 18220, 18239),
+    "gpu-h100x2-nvlink": (18240, 18241, 18242, 18243, 18244, 18245, 18250, 18269),
+    "gpu-h100x1": (18270, 18271, 18272, 18273, 18274, 18275, 18280, 18299),
+}
+REHEARSAL_CPUS = {"head": 1, "gpu-h100x2-nvlink": 4, "gpu-h100x1": 3}
+KIND_OF_NODE_TYPE = {"head": "head", "gpu-h100x2-nvlink": "nvlink_pair", "gpu-h100x1": "single_h100"}
+
+
+def node_args(node_type: str, declared: dict[str, int]) -> list[str]:
+    manager, objects, agent, agent_grpc, runtime_env, metrics, first, last = NODE_PORTS[node_type]
+    custom = {k: v for k, v in declared.items() if k not in {"CPU", "GPU"}}
+    return [
+        f"--node-manager-port={manager}",
+        f"--object-manager-port={objects}",
+        f"--dashboard-agent-listen-port={agent}",
+        f"--dashboard-agent-grpc-port={agent_grpc}",
+        f"--runtime-env-agent-port={runtime_env}",
+        f"--metrics-export-port={metrics}",
+        f"--min-worker-port={first}",
+        f"--max-worker-port={last}",
+        f"--num-cpus={REHEARSAL_CPUS[node_type]}",
+        f"--num-gpus={declared.get('GPU', 0)}",
+        f"--resources={json.dumps(custom)}",
+        "--disable-usage-stats",
+    ]
+
+
+def kill_group(pgid: int) -> None:
+    """SIGTERM the node's process group, then SIGKILL what is left (gcs_server ignores SIGTERM while busy)."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(pgid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.5)
+
+
+def leftover_pids(temp_dir: str) -> list[int]:
+    """Processes whose command line names this rehearsal's temp dir (all of them are ours)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if temp_dir.encode() in (proc / "cmdline").read_bytes():
+                pids.append(int(proc.name))
+        except OSError:
+            continue
+    return pids
+
+
+@pytest.fixture(scope="module")
+def rehearsal_cluster() -> Iterator[str]:
+    cluster = yaml.safe_load((ROOT / "cluster" / "gcp-h100.yaml").read_text())
+    types = cluster["available_node_types"]
+    temp_dir = tempfile.mkdtemp(prefix="rcl", dir="/tmp")
+    env = os.environ | {"RAY_AUTH_MODE": "disabled"}
+    address = f"127.0.0.1:{GCS_PORT}"
+    groups: list[int] = []
+    try:
+        for node_type in ("head", "gpu-h100x2-nvlink", "gpu-h100x1"):
+            if node_type == "head":
+                where = [f"--port={GCS_PORT}", "--head", "--include-dashboard=false", f"--temp-dir={temp_dir}"]
+                where += ["--ray-client-server-port=18201", "--dashboard-port=18208"]
+            else:
+                where = [f"--address={address}"]
+            log = open(Path(temp_dir) / f"{node_type}.log", "w")  # noqa: SIM115 - handed to the child
+            proc = subprocess.Popen(
+                [RAY, "start", *where, *node_args(node_type, types[node_type]["resources"])],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
+            groups.append(proc.pid)
+            if proc.wait(timeout=180) != 0:
+                pytest.fail(f"ray start for {node_type} failed: {(Path(temp_dir) / f'{node_type}.log').read_text()}")
+        yield address
+    finally:
+        for pgid in reversed(groups):
+            kill_group(pgid)
+        for pid in leftover_pids(temp_dir):
+            os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def placements(rehearsal_cluster: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    out = tmp_path_factory.mktemp("rehearsal") / "placements.json"
+    driver = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "tests" / "cluster_rehearsal.py"),
+            "--address",
+            rehearsal_cluster,
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        env=os.environ | {"RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert driver.returncode == 0, driver.stderr[-4000:]
+    result: dict[str, Any] = json.loads(out.read_text())
+    return result
+
+
+def test_the_rehearsal_cluster_has_the_three_node_types(placements: dict[str, Any]) -> None:
+    assert sorted(placements["nodes"].values()) == sorted(KIND_OF_NODE_TYPE.values())
+
+
+def test_replicas_and_chunk_tasks_land_on_the_node_type_each_model_asks_for(placements: dict[str, Any]) -> None:
+    from serving.models import load_catalogue
+
+    catalogue = load_catalogue()
+    kinds = placements["nodes"]
+    chunks = placements["chunks"]
+    assert sorted(c["chunk"] for c in chunks) == list(range(len(chunks)))
+    for chunk in chunks:
+        spec = catalogue.get(chunk["model"])
+        (wanted,) = spec.replica_resources  # the node-type resource of the model
+        assert kinds[chunk["replica_node"]] == wanted, chunk
+        assert len(chunk["ranks"]) == spec.tensor_parallel_size
+        # Every tensor-parallel rank runs on the replica's own node (STRICT_PACK), each on its own GPU.
+        assert {rank["node"] for rank in chunk["ranks"]} == {chunk["replica_node"]}, chunk
+        gpus = [gpu for rank in chunk["ranks"] for gpu in rank["gpus"]]
+        assert len(gpus) == len(set(gpus)) == spec.tensor_parallel_size, chunk
+    assert {c["model"] for c in chunks} == {"llama-3.1-8b-instruct", "llama-3.3-70b-instruct"}
+    assert not any(kinds[c["replica_node"]] == "head" for c in chunks)
+
+
+def test_a_one_gpu_model_does_not_take_half_of_an_idle_nvlink_pair(placements: dict[str, Any]) -> None:
+    # With the only single-H100 node busy, gpt-oss-20b's placement group waits for a new 1g node (the autoscaler's
+    # job) although the pair node's two GPUs are free: the 70B deployed right after takes both of them.
+    assert placements["second_single_gpu_model_pending"] is True

@@ -131,14 +131,6 @@ class RenderedHistory:
     token_ids: tuple[int, ...]  # the whole history through the chat template, no generation prompt
     message_starts: tuple[int, ...]  # token index where message i begins; len == len(messages)
 
-    def message_index_at(self, token: int) -> int:
-        """Index of the message that holds token position `token`."""
-        index = 0
-        for i, start in enumerate(self.message_starts):
-            if start <= token:
-                index = i
-        return index
-
 
 def render_history(messages: Sequence[Message], tokenizer: ChatTokenizer) -> RenderedHistory:
     """Render and tokenise the history once, recording each message's first token."""

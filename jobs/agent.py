@@ -108,6 +108,21 @@ def question_prompt(question: Question) -> str:
     return f"Question: {question.question}\n{options}\nAnswer with the letter of the correct choice."
 
 
+def matched_options(
+    compactor: Compactor, history: Sequence[Message], options: CompactionOptions, summary_tokens: int
+) -> CompactionOptions:
+    """The options with a whole-compaction budget split evenly over this history's chunks.
+
+    Sequential gets all of it in its one prompt; parallel with N chunks gets budget // N per
+    chunk (at least 16), so every strategy decodes about the same volume (matched decode volume).
+    """
+    chunks = 1
+    if options.strategy == "parallel":
+        chunks = len(compactor.plan(history, options).prompts)
+    per_chunk = max(MIN_CHUNK_SUMMARY_TOKENS, summary_tokens // chunks)
+    return options.model_copy(update={"max_chunk_summary_tokens": per_chunk})
+
+
 class AgentPipeline:
     """Runs one stream of steps against a backend, compacting the history whenever it exceeds tau."""
 
@@ -137,15 +152,6 @@ class AgentPipeline:
         reply = await self.backend.generate(request)
         return Answer(reply.text.strip(), len(ids), reply.cached_prompt_tokens, reply.output_tokens, reply.latency_s)
 
-    def options_for(self, history: Sequence[Message]) -> CompactionOptions:
-        """The compaction options with the summary budget split over this history's chunks."""
-        options = self.settings.compaction
-        chunks = 1
-        if options.strategy == "parallel":
-            chunks = len(self.compactor.plan(history, options).prompts)
-        per_chunk = max(MIN_CHUNK_SUMMARY_TOKENS, self.settings.summary_tokens // chunks)
-        return options.model_copy(update={"max_chunk_summary_tokens": per_chunk})
-
     async def run(self, steps: Sequence[Step]) -> Episode:
         began = time.perf_counter()
         history = parse_messages([{"role": "system", "content": self.settings.system_prompt}])
@@ -162,7 +168,9 @@ class AgentPipeline:
             stats, stall = None, 0.0
             if tokens > self.settings.tau:
                 started = time.perf_counter()
-                result = await self.compactor.compact(history, self.options_for(history))
+                settings = self.settings
+                options = matched_options(self.compactor, history, settings.compaction, settings.summary_tokens)
+                result = await self.compactor.compact(history, options)
                 stall = time.perf_counter() - started
                 history, stats = list(result.messages), result.stats
             after = stats.compacted_tokens if stats else tokens

@@ -54,25 +54,43 @@ def hotpotqa_steps(examples: Sequence[HotpotExample]) -> list[Step]:
 
 
 def locomo_steps(
-    sample: LocomoSample,
+    samples: Sequence[LocomoSample],
     sessions: int | None = None,
     questions_per_session: int | None = None,
     categories: Sequence[int] = (1, 2, 3, 4),
 ) -> list[Step]:
-    """The first `sessions` sessions, each followed by up to `questions_per_session` of its questions."""
-    numbers = locomo_session_numbers(sample.conversation)[:sessions]
+    """Conversations one after another, `sessions` sessions in all, each followed by its questions.
+
+    A question comes right after the latest session its evidence points at; at most
+    `questions_per_session` are asked there (all when None). Questions whose evidence cannot be
+    located, or lies beyond the sessions read, are not asked.
+    """
+    steps: list[Step] = []
+    budget = sessions
+    for sample in samples:
+        numbers = locomo_session_numbers(sample.conversation)[:budget]
+        steps += _sample_steps(sample, numbers, questions_per_session, categories)
+        if budget is not None:
+            budget -= len(numbers)
+            if budget <= 0:
+                break
+    return steps
+
+
+def _sample_steps(
+    sample: LocomoSample, numbers: Sequence[int], per_session: int | None, categories: Sequence[int]
+) -> list[Step]:
     included = set(numbers)
-    due: dict[int, list[tuple[int, Question]]] = {n: [] for n in numbers}
+    due: dict[int, list[Question]] = {n: [] for n in numbers}
     for k, qa in enumerate(sample.qa):
         where = qa.evidence_sessions
         if qa.category in categories and where and set(where) <= included:
-            question = Question(f"{sample.sample_id}/q{k}", qa.question, qa.gold, str(qa.category))
-            due[max(where)].append((k, question))
+            due[max(where)].append(Question(f"{sample.sample_id}/q{k}", qa.question, qa.gold, str(qa.category)))
     steps: list[Step] = []
     for n in numbers:
         messages = tuple(locomo_session_messages(sample.conversation, n))
         steps.append(Document(f"{sample.sample_id}/session_{n}", messages))
-        steps += [q for _, q in due[n][:questions_per_session]]
+        steps += due[n][:per_session]
     return steps
 
 

@@ -35,7 +35,8 @@ _LABELLED = re.compile(
     r"\b(?:label|verdict|grade|judg(?:e)?ment|result|rating|final answer)\b\s*(?:is|=|:)\s*"
     r"[\"'*`]*(not correct|not right|[a-z]+)"
 )
-_ECHO = re.compile(r"\bcorrect\s*(?:or|/|,)\s*wrong\b|\bwrong\s*(?:or|/|,)\s*correct\b")
+# The rubric's own wording echoed back ("CORRECT or WRONG", "is CORRECT if it ...") is no verdict.
+_ECHO = re.compile(r"\bcorrect\s*(?:or|/|,)\s*wrong\b|\bwrong\s*(?:or|/|,)\s*correct\b|\b(?:correct|wrong) if\b")
 
 
 def _word_verdict(word: str) -> bool | None:

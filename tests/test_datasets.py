@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from compaction.errors import InvalidInput
-from jobs.conversations import SHARED_DATA
+from jobs.conversations import SHARED_DATA, locomo_session_numbers
 from jobs.datasets import ADVERSARIAL_GOLD, load_hotpotqa, load_locomo, load_locomo_mc
 from jobs.episodes import Document, Question, hotpotqa_steps, locomo_mc_steps, locomo_steps
 
@@ -45,7 +45,7 @@ def test_real_locomo_loads_with_categories_and_session_order() -> None:
     assert len(samples) == 10 and sum(len(s.qa) for s in samples) == 1986
     adversarial = [q for s in samples for q in s.qa if q.category == 5]
     assert len(adversarial) == 446 and all(q.gold == ADVERSARIAL_GOLD for q in adversarial)
-    steps = locomo_steps(samples[0], sessions=3, questions_per_session=2)
+    steps = locomo_steps(samples, sessions=3, questions_per_session=2)
     docs = [s for s in steps if isinstance(s, Document)]
     assert [d.label for d in docs] == ["conv-26/session_1", "conv-26/session_2", "conv-26/session_3"]
     assert docs[0].messages[0]["content"].startswith("[Session 1, ")
@@ -146,3 +146,14 @@ def test_malformed_locomo_mc_names_the_line(tmp_path: Path) -> None:
         assert f"{path}, line 2" in str(err.value) and problem in str(err.value)
     with pytest.raises(InvalidInput, match="holds no rows"):
         load_locomo_mc(write(tmp_path, "empty.jsonl", "\n\n"))
+
+
+@needs_shared
+def test_locomo_stream_runs_across_conversations() -> None:
+    samples = load_locomo(LOCOMO)
+    first = len(locomo_session_numbers(samples[0].conversation))
+    steps = locomo_steps(samples, sessions=first + 2, questions_per_session=1)
+    labels = [s.label for s in steps if isinstance(s, Document)]
+    second = samples[1].sample_id
+    assert len(labels) == first + 2 and labels[-2:] == [f"{second}/session_1", f"{second}/session_2"]
+    assert 0 < sum(isinstance(s, Question) for s in steps) <= first + 2

@@ -35,6 +35,8 @@ from tests.fakes import FakeBackend
         ("## Verdict\nCORRECT", True),
         ("CORRECT or WRONG", None),  # the rubric echoed back is no verdict
         ("Reply with one word: CORRECT or WRONG.", None),
+        ("The gold answer is CORRECT if it is a fact about the band", None),
+        ("It is WRONG if it contradicts the gold answer. Verdict: correct", True),
         ("The capital of France is Paris.", None),
         ("", None),
     ],

@@ -178,6 +178,7 @@ def plot_chunks(table: pd.DataFrame, path: Path) -> None:
     latency.set(xlabel="chunk size B (tokens)", ylabel="seconds per compaction", title="Compaction latency")
     for axis in (volume, latency):
         axis.set_xscale("log", base=2)
+        axis.set_ylim(bottom=0)
         axis.grid(alpha=0.3)
         axis.legend(fontsize=7, loc="best")
     fig.suptitle("(d) Parallel vs sequential over chunk sizes (matched decode volume)")

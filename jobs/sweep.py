@@ -39,7 +39,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def say(message: str) -> None:
-    print(f"[sweep {time.strftime('%H:%M:%S')}] {message}", flush=True)
+    print(f"[sweep {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
 class Scheduler:

@@ -11,6 +11,7 @@ from typing import Any
 
 import pyarrow as pa
 import pytest
+import yaml
 
 from compaction.backend import GenerationRequest
 from jobs.cells import ModelAccess, run_cell
@@ -134,7 +135,7 @@ def test_sweep_stopped_midway_resumes_without_loss_or_duplicates(tmp_path: Path)
     paths = DataPaths().resolve(SHARED_DATA)
     concurrency = {e["name"]: e.get("concurrency", 1) for e in TINY["experiments"]}  # type: ignore[union-attr]
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import this test module
-    started = connect(None, 2)
+    started = False if ray.is_initialized() else connect(None, 2)
     try:
         task = ray.remote(num_cpus=0.25)(cell_task)
 
@@ -157,3 +158,23 @@ def test_sweep_stopped_midway_resumes_without_loss_or_duplicates(tmp_path: Path)
     assert counts == integrity(reference.read())
     assert counts["cells"] == len(cells) and counts["duplicate_rows"] == 0
     assert counts["agent_cells_with_turn_gaps"] == 0 and counts["agent_cells_without_one_episode_row"] == 0
+
+
+def test_cli_dry_run_check_and_clear_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from jobs.sweep import main
+
+    config = tmp_path / "tiny.yaml"
+    config.write_text(yaml.safe_dump(TINY))
+    results = tmp_path / "results"
+    assert main(["--config", str(config), "--results", str(results), "--dry-run"]) == 0
+    listed = capsys.readouterr().out.split()
+    assert listed == [c.cell_id for c in tiny_cells()]
+    assert main(["--config", str(config), "--results", str(results), "--check"]) == 0
+    assert "'rows': 0" in capsys.readouterr().out
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({**TINY, "models": ["no-such-model"]}))
+    assert main(["--config", str(bad)]) == 2
+    assert "unknown model 'no-such-model'" in capsys.readouterr().err
+    missing = ["--config", str(config), "--results", str(results), "--data-dir", str(tmp_path / "nowhere")]
+    assert main(missing) == 2  # refused before any Ray or engine starts
+    assert "not found; pass --data-dir" in capsys.readouterr().err

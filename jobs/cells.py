@@ -94,7 +94,9 @@ def base_row(cell: Cell, access: ModelAccess, cold: bool) -> dict[str, Any]:
     }
 
 
-def snapshot(samples: Sequence[LocomoSample], sample_id: str | None, tokens: int, tokenizer: AgentTokenizer) -> list:
+def snapshot(
+    samples: Sequence[LocomoSample], sample_id: str | None, tokens: int, tokenizer: AgentTokenizer
+) -> list[dict[str, Any]]:
     """LoCoMo conversations from `sample_id` on, concatenated, cut to whole messages within `tokens`."""
     start = next((i for i, s in enumerate(samples) if s.sample_id == sample_id), 0) if sample_id else 0
     messages: list[dict[str, str]] = []
@@ -108,7 +110,9 @@ def snapshot(samples: Sequence[LocomoSample], sample_id: str | None, tokens: int
     return truncate_history(messages, tokenizer, tokens)
 
 
-async def summary_rows(cell: Cell, paths: dict[str, str], access: ModelAccess, backend: Backend, cold: bool) -> list:
+async def summary_rows(
+    cell: Cell, paths: dict[str, str], access: ModelAccess, backend: Backend, cold: bool
+) -> list[dict[str, Any]]:
     tokenizer = load_tokenizer(access.tokenizer_path)
     messages = snapshot(load_locomo(paths["locomo"]), cell.sample_id, cell.input_tokens or 0, tokenizer)
     compactor = Compactor(tokenizer, backend, context_window=access.context_window, block_size=access.block_size)
@@ -179,6 +183,13 @@ def episode_row(episode: Episode) -> dict[str, Any]:
     }
 
 
+async def close(backend: Backend) -> None:
+    """Release an HTTP backend's connections (engine-actor backends hold none)."""
+    aclose = getattr(backend, "aclose", None)
+    if aclose is not None:
+        await aclose()
+
+
 async def grade_all(judge: Judge, questions: Sequence[tuple[Question, str]]) -> list[Grade]:
     return list(await asyncio.gather(*(judge.grade(q.question, q.gold, answer) for q, answer in questions)))
 
@@ -207,7 +218,10 @@ async def agent_rows(
     free_form = [(i, q, a) for i, q, a in asked if not q.choices]
     if judge is not None and free_form:
         grader = Judge(load_tokenizer(judge.tokenizer_path), judge.backend_factory())
-        grades = await grade_all(grader, [(q, a) for _, q, a in free_form])
+        try:
+            grades = await grade_all(grader, [(q, a) for _, q, a in free_form])
+        finally:
+            await close(grader.backend)
         for (i, _, _), grade in zip(free_form, grades, strict=True):
             rows[i] |= {"judge_model": judge.name, "judge_is_agent_model": judge.name == cell.model}
             rows[i] |= {"judge_correct": grade.correct, "judge_raw": grade.raw}
@@ -220,13 +234,16 @@ async def run_cell(
     """One cell's rows as a results table. `cold_start` empties the engine's prefix cache first, if it can."""
     began = time.perf_counter()
     backend = agent.backend_factory()
-    cold = False
-    if cold_start and isinstance(backend, ResettableBackend):
-        await backend.reset_prefix_cache()
-        cold = True
-    if cell.kind == "summary":
-        rows = await summary_rows(cell, paths, agent, backend, cold)
-    else:
-        rows = await agent_rows(cell, paths, agent, backend, judge, cold)
+    try:
+        cold = False
+        if cold_start and isinstance(backend, ResettableBackend):
+            await backend.reset_prefix_cache()
+            cold = True
+        if cell.kind == "summary":
+            rows = await summary_rows(cell, paths, agent, backend, cold)
+        else:
+            rows = await agent_rows(cell, paths, agent, backend, judge, cold)
+    finally:
+        await close(backend)
     wall = time.perf_counter() - began
     return to_table([{**row, "cell_wall_s": wall} for row in rows])

@@ -178,3 +178,17 @@ def test_cli_dry_run_check_and_clear_errors(tmp_path: Path, capsys: pytest.Captu
     missing = ["--config", str(config), "--results", str(results), "--data-dir", str(tmp_path / "nowhere")]
     assert main(missing) == 2  # refused before any Ray or engine starts
     assert "not found; pass --data-dir" in capsys.readouterr().err
+
+
+def test_service_backend_reaches_every_model_over_http() -> None:
+    from jobs.sweep import start_models
+    from serving.backends import OpenAIBackend
+
+    config = SweepConfig.model_validate({**TINY, "backend": {"kind": "service", "base_url": "http://127.0.0.1:18150"}})
+    accesses, actors = start_models(config, load_catalogue(), tiny_cells())
+    assert actors == [] and list(accesses) == [MODEL]
+    access = accesses[MODEL]
+    backend = access.backend_factory()
+    assert isinstance(backend, OpenAIBackend) and backend.model == MODEL
+    assert str(backend.client.base_url) == "http://127.0.0.1:18150" and access.context_window == 8192
+    assert access.label == "service http://127.0.0.1:18150" and access.tokenizer_path == str(model_dir())

@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: install model run test lint bench serve clean
+.PHONY: install model run test lint bench serve sweep clean
 
 $(STAMP): pyproject.toml
 	@echo "[setup] creating $(VENV) and installing the project with the CPU engine (about 2 minutes, 4 GB)"
@@ -32,6 +32,11 @@ lint: $(STAMP)
 
 bench: model
 	$(BIN)/python -m jobs.bench_compaction --history-tokens 4096 --chunk-tokens 512 --json results/bench.json
+
+# The smoke sweep of every benchmark family (a few minutes on the CPU), then its report.
+sweep: model
+	$(BIN)/python jobs/sweep.py --config jobs/configs/cpu-smoke.yaml --results results/cpu-smoke
+	$(BIN)/python jobs/report.py results/cpu-smoke
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,240 @@
+"""Sweep configuration: a pydantic-validated YAML grid, expanded into cells with stable ids.
+
+A cell is one unit of work and one atomic result file: either one compaction of a fixed
+snapshot (`summary` experiments: output length, stability) or one agent run over a dataset
+stream (`agent` experiments: τ and chunking sweeps, QA quality). Its id hashes every parameter
+that changes its result, so a re-run recognises what is already done.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from compaction.errors import InvalidInput
+from compaction.options import CompactionOptions, Layout, Strategy, Variant
+from jobs.judge import pick_judge
+from serving.models import Catalogue
+
+Kind = Literal["summary", "agent"]
+DatasetName = Literal["hotpotqa", "locomo", "locomo_mc"]
+FIXTURES = Path(__file__).with_name("fixtures")
+CONFIGS = Path(__file__).with_name("configs")
+
+
+class DataPaths(BaseModel):
+    """Benchmark files; relative paths are read from the data folder (--data-dir)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    hotpotqa: str = Field("hotpotqa_dev_distractor_sample100.json", description="HotpotQA original-format JSON.")
+    locomo: str = Field("locomo10.json", description="LoCoMo locomo10.json.")
+    locomo_mc: str | None = Field(None, description="LoCoMo-MC10 JSONL; null uses the small bundled fixture.")
+
+    def resolve(self, data_dir: Path) -> dict[str, str]:
+        paths = {"hotpotqa": self.hotpotqa, "locomo": self.locomo}
+        out = {name: str(data_dir / p if not Path(p).is_absolute() else Path(p)) for name, p in paths.items()}
+        mc = self.locomo_mc
+        out["locomo_mc"] = str(FIXTURES / "locomo_mc10_tiny.jsonl") if mc is None else str(data_dir / mc)
+        return out
+
+
+class BackendConfig(BaseModel):
+    """Where the models run: an engine per model in a Ray actor, or a running OpenAI-compatible service."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    kind: Literal["engine", "service"] = Field("engine", description="engine: vLLM in a Ray actor; service: HTTP.")
+    base_url: str | None = Field(None, description="service: the app's URL (it serves /v1/completions).")
+    max_model_len: int | None = Field(None, ge=512, le=1_048_576, description="engine: window (default: catalogue).")
+    kv_cache_gib: int = Field(1, ge=1, le=512, description="engine on CPU: KV cache size in GiB.")
+    engine_cpus: float = Field(1.0, gt=0, le=64, description="engine: logical CPUs of the engine actor.")
+    engine_gpus: float = Field(0.0, ge=0, le=8, description="engine: GPUs of the engine actor.")
+
+    @model_validator(mode="after")
+    def _service_url(self) -> BackendConfig:
+        if self.kind == "service" and not self.base_url:
+            raise ValueError("backend.kind=service needs backend.base_url")
+        return self
+
+
+class Experiment(BaseModel):
+    """One block of the grid; every list is a sweep axis."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    name: str = Field(pattern=r"^[a-z0-9_]+$", description="Block name; prefixes its cells' ids.")
+    kind: Kind = Field(description="summary: compact a fixed snapshot; agent: run the agent over a stream.")
+    datasets: list[DatasetName] = Field(min_length=1, description="summary experiments read LoCoMo only.")
+    strategies: list[Strategy] = Field(["parallel"], min_length=1)
+    chunk_tokens: list[int] = Field([2048], min_length=1, description="Chunk sizes B (parallel only).")
+    layouts: list[Layout] = Field(["prefix_exact"], min_length=1, description="Chunk prompt layouts (parallel).")
+    variants: list[Variant] = Field(["default"], min_length=1)
+    taus: list[int] | None = Field(None, description="agent: compaction thresholds τ in tokens.")
+    input_tokens: list[int] | None = Field(None, description="summary: snapshot sizes in tokens.")
+    repeats: int = Field(1, ge=1, le=100, description="Runs of each cell's parameters (repeat index 0..n-1).")
+    temperature: float = Field(0.0, ge=0.0, le=2.0, description="Summary sampling temperature (>0 for stability).")
+    summary_tokens: int = Field(256, ge=16, le=65_536, description="Output budget of one whole compaction.")
+    fixed_output_tokens: bool = Field(False, description="Every summary emits exactly its budget (matched volume).")
+    retry_bad_summaries: bool = Field(True, description="Retry empty or runaway chunk summaries once.")
+    answer_tokens: int = Field(32, ge=1, le=4096, description="agent: output budget of one answer.")
+    limit: int | None = Field(None, ge=1, description="agent: examples (HotpotQA), sessions (LoCoMo) or rows (MC).")
+    questions_per_document: int | None = Field(None, ge=1, description="agent, LoCoMo: questions after a session.")
+    sample_id: str | None = Field(None, description="LoCoMo conversation (default: the first).")
+    judge: bool = Field(True, description="agent: grade free-form answers with the LLM judge.")
+    concurrency: int = Field(1, ge=1, le=64, description="Cells of this block run at once per model (1 = timed).")
+
+    @model_validator(mode="after")
+    def _axes(self) -> Experiment:
+        if self.kind == "agent" and not self.taus:
+            raise ValueError(f"{self.name}: an agent experiment needs taus")
+        if self.kind == "summary" and not self.input_tokens:
+            raise ValueError(f"{self.name}: a summary experiment needs input_tokens")
+        if self.kind == "summary" and self.datasets != ["locomo"]:
+            raise ValueError(f"{self.name}: summary experiments compact LoCoMo conversations (datasets: [locomo])")
+        return self
+
+
+class SweepConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    name: str = Field(pattern=r"^[a-zA-Z0-9_.-]+$", description="Names the default results folder.")
+    description: str = ""
+    models: list[str] = Field(min_length=1, description="Agent models (catalogue names).")
+    judges: list[str] = Field(default_factory=list, description="Judge preference; the first that is not the agent.")
+    backend: BackendConfig = Field(default_factory=BackendConfig)
+    data: DataPaths = Field(default_factory=DataPaths)
+    window_headroom_tokens: int = Field(
+        1024, ge=0, le=65_536, description="Room kept above τ (or the snapshot) for a document, tails and output."
+    )
+    experiments: list[Experiment] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _unique(self) -> SweepConfig:
+        names = [e.name for e in self.experiments]
+        if len(set(names)) != len(names):
+            raise ValueError(f"experiment names repeat: {names}")
+        return self
+
+    def check_models(self, catalogue: Catalogue) -> None:
+        for name in [*self.models, *self.judges]:
+            catalogue.get(name)  # raises UnknownModel naming the hosted ones
+
+
+class Cell(BaseModel):
+    """Every parameter of one unit of work."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    experiment: str
+    kind: Kind
+    model: str
+    judge_model: str | None
+    dataset: DatasetName
+    strategy: Strategy
+    chunk_tokens: int | None  # None when sequential
+    layout: str  # "sequential" when sequential
+    variant: Variant
+    tau: int | None
+    input_tokens: int | None
+    summary_tokens: int
+    answer_tokens: int
+    temperature: float
+    fixed_output_tokens: bool
+    retry_bad_summaries: bool
+    repeat: int
+    limit: int | None
+    questions_per_document: int | None
+    sample_id: str | None
+
+    @property
+    def cell_id(self) -> str:
+        digest = hashlib.sha256(json.dumps(self.model_dump(), sort_keys=True).encode()).hexdigest()[:10]
+        shape = "seq" if self.strategy == "sequential" else f"par{self.chunk_tokens}"
+        size = f"tau{self.tau}" if self.kind == "agent" else f"in{self.input_tokens}"
+        return f"{self.experiment}-{self.dataset}-{shape}-{size}-{self.variant}-r{self.repeat}-{digest}"
+
+    def compaction_options(self) -> CompactionOptions:
+        parallel = self.strategy == "parallel"
+        return CompactionOptions(
+            strategy=self.strategy,
+            chunk_tokens=self.chunk_tokens or CompactionOptions.model_fields["chunk_tokens"].default,
+            layout=self.layout if parallel else "prefix_exact",
+            variant=self.variant,
+            max_chunk_summary_tokens=min(self.summary_tokens, 32_768),
+            temperature=self.temperature,
+            retry_bad_summaries=self.retry_bad_summaries,
+            fixed_output_tokens=self.fixed_output_tokens,
+        )
+
+
+class Expansion(BaseModel):
+    cells: list[Cell]
+    dropped: list[tuple[Cell, str]] = Field(description="Cells that cannot run, with the reason.")
+
+
+def _shapes(e: Experiment) -> list[tuple[Strategy, int | None, str]]:
+    """(strategy, chunk, layout) combinations; sequential has no chunk size or layout, so it appears once."""
+    out: list[tuple[Strategy, int | None, str]] = []
+    for strategy in e.strategies:
+        if strategy == "sequential":
+            out.append(("sequential", None, "sequential"))
+        else:
+            out += [("parallel", b, layout) for b in e.chunk_tokens for layout in e.layouts]
+    return out
+
+
+def expand(config: SweepConfig, catalogue: Catalogue) -> Expansion:
+    """Every cell of the grid, in config order; cells whose size does not fit the model's window are dropped."""
+    config.check_models(catalogue)
+    cells: list[Cell] = []
+    dropped: list[tuple[Cell, str]] = []
+    for e in config.experiments:
+        sizes = e.taus if e.kind == "agent" else e.input_tokens
+        axes = itertools.product(config.models, e.datasets, _shapes(e), sizes or [], e.variants, range(e.repeats))
+        for model, dataset, (strategy, chunk, layout), size, variant, repeat in axes:
+            judge = pick_judge(model, config.judges) if config.judges and e.kind == "agent" and e.judge else None
+            cell = Cell(
+                experiment=e.name,
+                kind=e.kind,
+                model=model,
+                judge_model=judge,
+                dataset=dataset,
+                strategy=strategy,
+                chunk_tokens=chunk,
+                layout=layout,
+                variant=variant,
+                tau=size if e.kind == "agent" else None,
+                input_tokens=size if e.kind == "summary" else None,
+                summary_tokens=e.summary_tokens,
+                answer_tokens=e.answer_tokens,
+                temperature=e.temperature,
+                fixed_output_tokens=e.fixed_output_tokens,
+                retry_bad_summaries=e.retry_bad_summaries,
+                repeat=repeat,
+                limit=e.limit,
+                questions_per_document=e.questions_per_document,
+                sample_id=e.sample_id,
+            )
+            window = config.backend.max_model_len or catalogue.get(model).max_model_len
+            need = size + e.summary_tokens + config.window_headroom_tokens
+            if need > window:
+                dropped.append((cell, f"needs {need} tokens ({size} + summary + headroom), over {model}'s {window}"))
+            else:
+                cells.append(cell)
+    return Expansion(cells=cells, dropped=dropped)
+
+
+def load_config(path: str | Path) -> SweepConfig:
+    file = Path(path)
+    try:
+        raw = yaml.safe_load(file.read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError) as exc:
+        raise InvalidInput("config", f"cannot read {file}: {exc}") from exc
+    try:
+        return SweepConfig.model_validate(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "config"
+        raise InvalidInput("config", f"{file}: {where}: {first['msg']}") from exc

@@ -1,0 +1,260 @@
+"""The benchmark report: markdown tables and paper-style PNG figures from a sweep's results.
+
+    python jobs/report.py RESULTS_DIR [--out DIR]
+
+Sections follow the experiment families: (a) summary output tokens vs input length per
+instruction variant; (b) run-to-run stability (coefficient of variation of summary length,
+mean pairwise ROUGE-L); (c) compaction share of end-to-end time and compaction count vs τ;
+(d) parallel vs sequential over chunk sizes (time, compaction throughput, summary volume);
+then answer quality (EM/F1, LoCoMo F1, MC accuracy, judge accuracy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run by path (`python jobs/report.py`): make the checkout importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+import pandas as pd
+import pyarrow as pa
+
+from jobs.metrics import coefficient_of_variation, pairwise_rouge_l
+from jobs.results import ResultStore, integrity
+
+AGENT_KEYS = ["model", "dataset", "strategy", "chunk_tokens", "layout", "variant"]
+SHAPE = ["model", "dataset", "tau", "variant"]
+
+
+def markdown(frame: pd.DataFrame, digits: int = 2) -> str:
+    """A GitHub markdown table (no extra dependency)."""
+    if frame.empty:
+        return "_no rows_"
+    cells = frame.astype(object).where(frame.notna(), "")
+    text = [[f"{v:.{digits}f}" if isinstance(v, float) else str(v) for v in row] for row in cells.to_numpy()]
+    head = "| " + " | ".join(map(str, frame.columns)) + " |"
+    rule = "|" + "|".join("---" for _ in frame.columns) + "|"
+    return "\n".join([head, rule, *("| " + " | ".join(r) + " |" for r in text)])
+
+
+def output_length(rows: pd.DataFrame) -> pd.DataFrame:
+    """(a) Mean output tokens of greedy summaries per model, variant and input size."""
+    greedy = rows[(rows.event == "summary") & (rows.temperature == 0)]
+    keys = ["model", "strategy", "variant", "target_input_tokens"]
+    table = greedy.groupby(keys, dropna=False).agg(
+        runs=("cell_id", "size"),
+        input_tokens=("input_tokens", "mean"),
+        output_tokens=("output_tokens", "mean"),
+        summary_tokens=("summary_tokens", "mean"),
+        bad_chunks=("bad_chunks", "sum"),
+    )
+    return table.reset_index()
+
+
+def stability(rows: pd.DataFrame) -> pd.DataFrame:
+    """(b) Repeated summaries of one input: CV of summary length and mean pairwise ROUGE-L."""
+    summaries = rows[rows.event == "summary"]
+    keys = ["model", "strategy", "variant", "target_input_tokens", "temperature"]
+    out = []
+    for key, group in summaries.groupby(keys, dropna=False):
+        if len(group) < 2:
+            continue
+        lengths = group.summary_tokens.astype(float).tolist()
+        out.append(
+            {
+                **dict(zip(keys, key, strict=True)),
+                "repeats": len(group),
+                "mean_summary_tokens": sum(lengths) / len(lengths),
+                "cv_summary_tokens": coefficient_of_variation(lengths),
+                "pairwise_rouge_l": pairwise_rouge_l(group.summary_text.fillna("").tolist()),
+            }
+        )
+    return pd.DataFrame(out)
+
+
+def episodes(rows: pd.DataFrame) -> pd.DataFrame:
+    """One row per agent run with its time split and compaction volume."""
+    runs = rows[rows.event == "episode"].copy()
+    runs["compaction_share"] = runs.compaction_time_s / runs.e2e_s
+    runs["throughput_tok_s"] = runs.compacted_input_tokens / runs.compaction_time_s.where(runs.compaction_time_s > 0)
+    compactions = rows[(rows.event == "turn") & (rows.compacted.fillna(False).astype(bool))]
+    per_compaction = compactions.groupby("cell_id").agg(
+        mean_compaction_s=("compaction_stall_s", "mean"), output_tokens_total=("output_tokens", "sum")
+    )
+    return runs.join(per_compaction, on="cell_id")
+
+
+def tau_table(runs: pd.DataFrame) -> pd.DataFrame:
+    """(c) Configurations run at two or more τ: compaction count and share of end-to-end time."""
+    cols = [*AGENT_KEYS, "tau", "compaction_count", "compaction_time_s", "e2e_s", "compaction_share"]
+    varied = runs.groupby(AGENT_KEYS, dropna=False).tau.transform("nunique") > 1
+    return runs[varied][cols].sort_values([*AGENT_KEYS, "tau"]).reset_index(drop=True)
+
+
+def chunk_table(runs: pd.DataFrame) -> pd.DataFrame:
+    """(d) Settings run with two or more compaction shapes: time, throughput, summary volume."""
+    cols = [
+        *SHAPE,
+        "strategy",
+        "chunk_tokens",
+        "compaction_count",
+        "e2e_s",
+        "compaction_time_s",
+        "mean_compaction_s",
+        "throughput_tok_s",
+        "output_tokens_total",
+        "summary_tokens_total",
+    ]
+    shapes = runs.strategy + ":" + runs.chunk_tokens.astype(str)
+    varied = shapes.groupby([runs[k] for k in SHAPE], dropna=False).transform("nunique") > 1
+    return runs[varied][cols].sort_values([*SHAPE, "strategy", "chunk_tokens"]).reset_index(drop=True)
+
+
+def quality(rows: pd.DataFrame) -> pd.DataFrame:
+    """Answer quality per agent configuration (judge accuracy over parsed verdicts only)."""
+    asked = rows[(rows.event == "turn") & (rows.step == "question")].copy()
+    if asked.empty:
+        return pd.DataFrame()
+    asked["judge_parsed"] = asked.judge_correct.notna()
+    asked["judge_hit"] = asked.judge_correct.astype("boolean").astype(float)
+    table = asked.groupby(["experiment", *AGENT_KEYS, "tau"], dropna=False).agg(
+        questions=("cell_id", "size"),
+        em=("em", "mean"),
+        f1=("f1", "mean"),
+        mc_accuracy=("mc_correct", lambda s: s.dropna().astype(float).mean() if s.notna().any() else None),
+        judge_accuracy=("judge_hit", "mean"),
+        judge_parsed=("judge_parsed", "sum"),
+        judge_is_agent=("judge_is_agent_model", "max"),
+    )
+    return table.reset_index()
+
+
+def plot_output_length(table: pd.DataFrame, path: Path) -> None:
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for (model, variant), group in table.groupby(["model", "variant"]):
+        group = group.sort_values("target_input_tokens")
+        ax.plot(group.input_tokens, group.output_tokens, marker="o", label=f"{variant} ({model})")
+    ax.set(xlabel="input tokens compacted", ylabel="summary output tokens", title="(a) Output tokens vs input length")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_tau(table: pd.DataFrame, path: Path) -> None:
+    fig, ax = plt.subplots(figsize=(6, 4))
+    count_axis = ax.twinx()
+    for key, group in table.groupby(AGENT_KEYS, dropna=False):
+        label = f"{key[1]} {key[2]} B={key[3]}" if key[2] == "parallel" else f"{key[1]} sequential"
+        line = ax.plot(group.tau, 100 * group.compaction_share, marker="o", label=f"{label} ({key[0]})")
+        count_axis.plot(group.tau, group.compaction_count, ls=":", marker="x", color=line[0].get_color())
+    ax.set(xlabel="τ (tokens)", ylabel="compaction share of end-to-end time (%)", title="(c) Time share vs τ")
+    count_axis.set_ylabel("compactions (dotted)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_chunks(table: pd.DataFrame, path: Path) -> None:
+    fig, (volume, latency) = plt.subplots(1, 2, figsize=(10, 4))
+    for key, group in table.groupby(SHAPE, dropna=False):
+        name = f"{key[1]} τ={key[2]} ({key[0]})"
+        par = group[group.strategy == "parallel"].sort_values("chunk_tokens")
+        seq = group[group.strategy == "sequential"]
+        for axis, column in ((volume, "summary_tokens_total"), (latency, "mean_compaction_s")):
+            line = axis.plot(par.chunk_tokens, par[column], marker="o", label=f"parallel, {name}")
+            for value in seq[column]:
+                axis.axhline(value, ls="--", color=line[0].get_color(), label=f"sequential, {name}")
+    volume.set(xlabel="chunk size B (tokens)", ylabel="summary tokens kept (all compactions)", title="Summary volume")
+    latency.set(xlabel="chunk size B (tokens)", ylabel="seconds per compaction", title="Compaction latency")
+    for axis in (volume, latency):
+        axis.set_xscale("log", base=2)
+        axis.set_ylim(bottom=0)
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize=7, loc="best")
+    fig.suptitle("(d) Parallel vs sequential over chunk sizes (matched decode volume)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_report(results: Path, out: Path) -> Path:
+    store = ResultStore(results)
+    table = store.read()
+    if table.num_rows == 0:
+        raise SystemExit(f"no results in {store.cells}; run jobs/sweep.py first")
+    integers = {pa.int32(): pd.Int64Dtype(), pa.int64(): pd.Int64Dtype()}
+    rows = table.to_pandas(types_mapper=integers.get)  # nullable integers stay integers
+    out.mkdir(parents=True, exist_ok=True)
+    runs = episodes(rows)
+    sections = {
+        "output_length": output_length(rows),
+        "stability": stability(rows),
+        "tau": tau_table(runs),
+        "chunking": chunk_table(runs),
+        "quality": quality(rows),
+    }
+    figures = {"output_length": plot_output_length, "tau": plot_tau, "chunking": plot_chunks}
+    for name, plot in figures.items():
+        if not sections[name].empty:
+            plot(sections[name], out / f"{name}.png")
+    text = render(results, rows, integrity(table), sections, {n for n in figures if (out / f"{n}.png").exists()})
+    report = out / "report.md"
+    report.write_text(text)
+    return report
+
+
+TITLES = {
+    "output_length": "(a) Summary output tokens vs input length, per instruction variant",
+    "stability": "(b) Run-to-run stability of repeated summaries",
+    "tau": "(c) Compaction share of end-to-end time and compaction count vs τ",
+    "chunking": "(d) Parallel vs sequential over chunk sizes at matched decode volume",
+    "quality": "Answer quality",
+}
+NOTES = {
+    "stability": "CV = sample standard deviation / mean of summary tokens; ROUGE-L = mean F1 over all pairs.",
+    "chunking": "throughput = input tokens compacted per second of compaction; volume = summary tokens kept.",
+    "quality": "Judge accuracy counts parsed verdicts only; judge_is_agent marks a judge that is the agent model.",
+}
+
+
+def render(results: Path, rows: pd.DataFrame, counts: dict, sections: dict, figures: set[str]) -> str:
+    lines = [
+        f"# Benchmark report: {results.name}",
+        "",
+        f"Results: `{results}` — {counts['rows']} rows in {counts['cells']} cells; duplicate rows "
+        f"{counts['duplicate_rows']}; agent cells with missing turns {counts['agent_cells_with_turn_gaps']}.",
+        f"Models: {', '.join(sorted(rows.model.unique()))}; served by: {', '.join(sorted(rows.backend.unique()))}.",
+        "Times are wall-clock seconds on the machine that ran the sweep.",
+    ]
+    for name, frame in sections.items():
+        lines += ["", f"## {TITLES[name]}", ""]
+        if name in figures:
+            lines += [f"![{name}]({name}.png)", ""]
+        if name in NOTES:
+            lines += [NOTES[name], ""]
+        lines.append(markdown(frame))
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("results", type=Path, help="A sweep's results folder (the one holding cells/)")
+    parser.add_argument("--out", type=Path, default=None, help="Where to write report.md and the PNGs")
+    args = parser.parse_args(argv)
+    report = write_report(args.results.resolve(), (args.out or args.results / "report").resolve())
+    print(f"wrote {report}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

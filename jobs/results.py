@@ -1,0 +1,175 @@
+"""The results dataset: one fixed Arrow schema, one Parquet file per finished cell, written atomically.
+
+A cell's rows are written to a hidden temporary file in the same folder and renamed into place
+(`os.replace` is atomic on one file system), so a crash leaves either the whole cell or nothing,
+never partial rows. A re-run skips every cell whose file exists. Only the driver writes.
+Hidden files (leading `.`) are ignored by Arrow's dataset discovery, so a leftover temporary
+file is never read.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.dataset as ds
+import pyarrow.parquet as pq
+
+_I = pa.int32()
+_F = pa.float64()
+_S = pa.string()
+_B = pa.bool_()
+
+# event: "summary" (one compaction of a fixed snapshot), "turn" (one agent step), "episode" (an agent run's totals).
+SCHEMA = pa.schema(
+    [
+        # identity of the cell (every row)
+        pa.field("cell_id", _S, nullable=False),
+        pa.field("experiment", _S, nullable=False),
+        pa.field("kind", _S, nullable=False),
+        pa.field("event", _S, nullable=False),
+        pa.field("model", _S, nullable=False),
+        pa.field("dataset", _S, nullable=False),
+        pa.field("strategy", _S, nullable=False),
+        pa.field("layout", _S, nullable=False),
+        pa.field("variant", _S, nullable=False),
+        pa.field("chunk_tokens", _I),
+        pa.field("tau", _I),
+        pa.field("target_input_tokens", _I),
+        pa.field("summary_budget", _I, nullable=False),
+        pa.field("fixed_output_tokens", _B, nullable=False),
+        pa.field("temperature", _F, nullable=False),
+        pa.field("repeat", _I, nullable=False),
+        pa.field("backend", _S, nullable=False),
+        pa.field("cold_start", _B, nullable=False),
+        # one agent turn
+        pa.field("turn_index", _I),
+        pa.field("step", _S),
+        pa.field("label", _S),
+        pa.field("context_tokens", _I),
+        pa.field("tokens_after", _I),
+        pa.field("answer_prompt_tokens", _I),
+        pa.field("answer_cached_tokens", _I),
+        pa.field("answer_output_tokens", _I),
+        pa.field("answer_latency_s", _F),
+        pa.field("compaction_stall_s", _F),
+        # one compaction (summary rows; turn rows that compacted)
+        pa.field("compacted", _B),
+        pa.field("history_tokens", _I),
+        pa.field("input_tokens", _I),
+        pa.field("chunks", _I),
+        pa.field("prompt_tokens", _I),
+        pa.field("cached_prompt_tokens", _I),
+        pa.field("computed_prefill_tokens", _I),
+        pa.field("prefill_floor_tokens", _I),
+        pa.field("output_tokens", _I),
+        pa.field("summary_tokens", _I),
+        pa.field("compacted_tokens", _I),
+        pa.field("compaction_latency_s", _F),
+        pa.field("retries", _I),
+        pa.field("bad_chunks", _I),
+        pa.field("summary_text", _S),
+        # one question
+        pa.field("task_id", _S),
+        pa.field("category", _S),
+        pa.field("question", _S),
+        pa.field("gold", _S),
+        pa.field("prediction", _S),
+        pa.field("em", _F),
+        pa.field("f1", _F),
+        pa.field("mc_correct", _B),
+        pa.field("judge_model", _S),
+        pa.field("judge_is_agent_model", _B),
+        pa.field("judge_correct", _B),
+        pa.field("judge_raw", _S),
+        # episode totals
+        pa.field("e2e_s", _F),
+        pa.field("compaction_time_s", _F),
+        pa.field("compaction_count", _I),
+        pa.field("answer_time_s", _F),
+        pa.field("questions", _I),
+        pa.field("compacted_input_tokens", pa.int64()),
+        pa.field("summary_tokens_total", pa.int64()),
+        pa.field("cell_wall_s", _F),
+    ]
+)
+COLUMNS = frozenset(SCHEMA.names)
+
+
+def to_table(rows: Sequence[Mapping[str, Any]]) -> pa.Table:
+    """Rows as a table of exactly SCHEMA; an unknown column or a missing required value is an error."""
+    for row in rows:
+        unknown = set(row) - COLUMNS
+        if unknown:
+            raise ValueError(f"columns not in the results schema: {sorted(unknown)}")
+    table = pa.Table.from_pylist([dict(r) for r in rows], schema=SCHEMA)
+    for field in SCHEMA:
+        if not field.nullable and table.column(field.name).null_count:
+            raise ValueError(f"column {field.name} must be set on every row")
+    return table
+
+
+class ResultStore:
+    """A folder of per-cell Parquet files (`cells/`) plus error notes (`errors/`) of failed cells."""
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+        self.cells = self.root / "cells"
+        self.errors = self.root / "errors"
+
+    def done(self) -> set[str]:
+        if not self.cells.exists():
+            return set()
+        return {p.name.removesuffix(".parquet") for p in self.cells.glob("*.parquet") if not p.name.startswith(".")}
+
+    def write(self, cell_id: str, table: pa.Table) -> Path:
+        """Write one cell's rows atomically; a cell already written is never written twice."""
+        if table.schema != SCHEMA:
+            raise ValueError("a cell's table must have exactly the results schema")
+        self.cells.mkdir(parents=True, exist_ok=True)
+        final = self.cells / f"{cell_id}.parquet"
+        if final.exists():
+            raise FileExistsError(f"{final} exists: cell {cell_id} is already done")
+        temporary = self.cells / f".{cell_id}.{os.getpid()}.tmp"
+        pq.write_table(table, temporary)
+        with open(temporary, "rb") as handle:
+            os.fsync(handle.fileno())
+        os.replace(temporary, final)
+        (self.errors / f"{cell_id}.txt").unlink(missing_ok=True)
+        return final
+
+    def write_error(self, cell_id: str, message: str) -> None:
+        self.errors.mkdir(parents=True, exist_ok=True)
+        (self.errors / f"{cell_id}.txt").write_text(message)
+
+    def read(self) -> pa.Table:
+        if not self.done():
+            return SCHEMA.empty_table()
+        return ds.dataset(self.cells, format="parquet", schema=SCHEMA).to_table()
+
+
+def integrity(table: pa.Table) -> dict[str, int]:
+    """Counts that prove a dataset whole: rows, cells, duplicate keys, agent cells missing turns or totals."""
+    cells = table.column("cell_id").to_pylist()
+    events = table.column("event").to_pylist()
+    turns = table.column("turn_index").to_pylist()
+    keys = Counter(zip(cells, events, turns, table.column("repeat").to_pylist(), strict=True))
+    by_cell: dict[str, list[int]] = {}
+    episodes: Counter[str] = Counter()
+    for cell, event, turn in zip(cells, events, turns, strict=True):
+        if event == "turn":
+            by_cell.setdefault(cell, []).append(turn)
+        elif event == "episode":
+            episodes[cell] += 1
+    gaps = sum(sorted(t) != list(range(len(t))) for t in by_cell.values())
+    return {
+        "rows": table.num_rows,
+        "cells": len(set(cells)),
+        "duplicate_rows": sum(n - 1 for n in keys.values()),
+        "agent_cells_with_turn_gaps": gaps,
+        "agent_cells_without_one_episode_row": sum(episodes[c] != 1 for c in by_cell),
+    }

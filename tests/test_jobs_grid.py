@@ -1,0 +1,119 @@
+"""Sweep configs: validation with clear errors, expansion, stable ids, the scheduler."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from compaction.errors import InvalidInput, UnknownModel
+from jobs.grid import CONFIGS, SweepConfig, expand, load_config
+from jobs.sweep import Scheduler
+from serving.models import load_catalogue
+
+CATALOGUE = load_catalogue()
+
+
+def test_paper_grid_parses_and_expands_to_the_papers_cell_count() -> None:
+    config = load_config(CONFIGS / "paper.yaml")
+    expansion = expand(config, CATALOGUE)
+    per_block = Counter(c.experiment for c in expansion.cells)
+    # qa_grid: 4 models x 2 datasets x (sequential + 4 parallel chunk sizes) x 6 taus x 3 variants = 720,
+    # minus llama-3.3-70b's taus 64k/80k/96k (its 64k window): 2 x 5 x 3 x 3 = 90 dropped.
+    assert per_block["qa_grid"] == 4 * 2 * 5 * 6 * 3 - 90 == 630
+    dropped = Counter(c.experiment for c, _ in expansion.dropped)
+    assert dropped["qa_grid"] == 90
+    assert all(c.model == "llama-3.3-70b-instruct" for c, _ in expansion.dropped)
+    # (a) 4 models x 7 sizes x 3 variants, minus the 70b's two largest snapshots; (b) 4 x 3 variants x 5 repeats
+    assert per_block["output_length"] == 84 - 6 and per_block["stability"] == 60
+    grid = [c for c in expansion.cells if c.experiment == "qa_grid"]
+    assert {c.model for c in grid} == set(config.models) and len({c.cell_id for c in expansion.cells}) == 768
+    assert {(c.strategy, c.chunk_tokens) for c in grid} == {("sequential", None)} | {
+        ("parallel", b) for b in (16384, 8192, 4096, 2048)
+    }
+    assert {c.judge_model for c in grid if c.model == "llama-3.3-70b-instruct"} == {"gpt-oss-120b"}
+    assert {c.judge_model for c in grid if c.model != "llama-3.3-70b-instruct"} == {"llama-3.3-70b-instruct"}
+
+
+def test_cpu_smoke_covers_every_family() -> None:
+    expansion = expand(load_config(CONFIGS / "cpu-smoke.yaml"), CATALOGUE)
+    assert not expansion.dropped
+    cells = expansion.cells
+    assert {c.variant for c in cells if c.experiment == "output_length"} == {"concise", "default", "detailed"}
+    stability = [c for c in cells if c.experiment == "stability"]
+    assert len(stability) >= 2 and all(c.temperature > 0 for c in stability)
+    assert len({c.tau for c in cells if c.experiment == "tau"}) >= 3
+    shapes = {(c.strategy, c.chunk_tokens) for c in cells if c.experiment == "chunking"}
+    assert ("sequential", None) in shapes and len(shapes) >= 3
+    assert all(c.fixed_output_tokens for c in cells if c.experiment == "chunking")
+    assert {c.dataset for c in cells} == {"locomo", "hotpotqa", "locomo_mc"}
+    assert all(c.judge_model == c.model for c in cells if c.kind == "agent")  # one CPU model: flagged in rows
+
+
+def test_cell_ids_are_stable_and_change_with_any_parameter() -> None:
+    first = expand(load_config(CONFIGS / "cpu-smoke.yaml"), CATALOGUE).cells
+    again = expand(load_config(CONFIGS / "cpu-smoke.yaml"), CATALOGUE).cells
+    assert [c.cell_id for c in first] == [c.cell_id for c in again]
+    assert first[0].model_copy(update={"summary_tokens": 999}).cell_id != first[0].cell_id
+    assert first[0].cell_id.startswith("output_length-locomo-seq-in512-concise-r0-")
+
+
+BASE = {
+    "name": "t",
+    "models": ["smollm2-135m-instruct"],
+    "experiments": [{"name": "a", "kind": "agent", "datasets": ["hotpotqa"], "taus": [512]}],
+}
+
+
+@pytest.mark.parametrize(
+    ("change", "problem"),
+    [
+        ({"bogus": 1}, "bogus: Extra inputs are not permitted"),
+        ({"experiments": [{"name": "a", "kind": "agent", "datasets": ["hotpotqa"]}]}, "needs taus"),
+        ({"experiments": [{"name": "a", "kind": "summary", "datasets": ["locomo"]}]}, "needs input_tokens"),
+        (
+            {"experiments": [{"name": "a", "kind": "summary", "datasets": ["hotpotqa"], "input_tokens": [9]}]},
+            "datasets: [locomo]",
+        ),
+        ({"experiments": [{**BASE["experiments"][0], "variants": ["short"]}]}, "experiments.0.variants.0"),
+        ({"experiments": [BASE["experiments"][0]] * 2}, "experiment names repeat"),
+        ({"backend": {"kind": "service"}}, "needs backend.base_url"),
+    ],
+)
+def test_bad_configs_name_the_field(tmp_path: Path, change: dict, problem: str) -> None:
+    import yaml
+
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({**BASE, **change}))
+    with pytest.raises(InvalidInput) as err:
+        load_config(path)
+    assert problem in str(err.value) and str(path) in str(err.value)
+
+
+def test_unknown_model_and_window_drop() -> None:
+    with pytest.raises(UnknownModel, match="hosted"):
+        expand(SweepConfig.model_validate({**BASE, "models": ["gpt-5"]}), CATALOGUE)
+    big = {**BASE, "experiments": [{**BASE["experiments"][0], "taus": [512, 8000]}]}
+    expansion = expand(SweepConfig.model_validate(big), CATALOGUE)
+    assert [c.tau for c in expansion.cells] == [512]
+    assert "over smollm2-135m-instruct's 8192" in expansion.dropped[0][1]
+
+
+def test_scheduler_runs_blocks_in_order_with_their_concurrency() -> None:
+    config = load_config(CONFIGS / "cpu-smoke.yaml")
+    cells = expand(config, CATALOGUE).cells
+    scheduler = Scheduler(cells, {e.name: e.concurrency for e in config.experiments})
+    first = scheduler.ready()
+    assert [c.experiment for c in first] == ["output_length"] * 3 and scheduler.ready() == []
+    for cell in first:
+        scheduler.finish(cell)
+    seen = [c.experiment for c in first]
+    while scheduler.pending:
+        batch = scheduler.ready()
+        assert batch and len({c.experiment for c in batch}) == 1
+        assert len(batch) <= {e.name: e.concurrency for e in config.experiments}[batch[0].experiment]
+        seen += [c.experiment for c in batch]
+        for cell in batch:
+            scheduler.finish(cell)
+    assert seen == [c.experiment for c in cells]  # config order, every cell once

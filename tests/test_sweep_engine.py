@@ -1,0 +1,133 @@
+"""Sweeps on the real CPU model: the whole CLI through a local Ray with the engine actor, and
+one agent cell over HTTP against an OpenAI-compatible server (the service path)."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from jobs.cells import ModelAccess, run_cell
+from jobs.grid import DataPaths, SweepConfig, expand
+from jobs.report import write_report
+from jobs.results import ResultStore, integrity
+from serving.backends import OpenAIBackend
+from serving.models import load_catalogue
+
+MODEL = "smollm2-135m-instruct"
+MC = {
+    "name": "engine-mc",
+    "models": [MODEL],
+    "judges": [MODEL],
+    "backend": {"kind": "engine", "max_model_len": 4096, "kv_cache_gib": 1},
+    "experiments": [
+        {
+            "name": "mc",
+            "kind": "agent",
+            "datasets": ["locomo_mc"],
+            "chunk_tokens": [128],
+            "taus": [200, 400],
+            "summary_tokens": 48,
+            "answer_tokens": 8,
+        }
+    ],
+}
+
+
+def free_port(low: int = 18140, high: int = 18160) -> int:
+    for port in range(low, high):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {low}-{high}")
+
+
+@pytest.mark.ray
+@pytest.mark.engine
+def test_cli_runs_cells_on_the_engine_actor_and_skips_them_next_time(tmp_path: Path) -> None:
+    import ray
+
+    from jobs.sweep import main
+
+    if ray.is_initialized():
+        pytest.skip("needs to start its own local Ray")
+    config = tmp_path / "mc.yaml"
+    config.write_text(yaml.safe_dump(MC))
+    results = tmp_path / "results"
+    began = time.perf_counter()
+    assert main(["--config", str(config), "--results", str(results), "--num-cpus", "2"]) == 0
+    print(f"\nsweep of 2 MC cells on the real engine: {time.perf_counter() - began:.0f} s")
+    table = ResultStore(results).read()
+    counts = integrity(table)
+    assert counts["cells"] == 2 and counts["duplicate_rows"] == 0 and counts["agent_cells_with_turn_gaps"] == 0
+    rows = table.to_pylist()
+    episodes = [r for r in rows if r["event"] == "episode"]
+    assert [r["questions"] for r in episodes] == [3, 3] and all(r["backend"] == "engine actor (cpu)" for r in rows)
+    assert max(r["compaction_count"] for r in episodes) >= 1 and all(r["cold_start"] for r in rows)
+    answers = [r for r in rows if r["step"] == "question"]
+    assert all(r["answer_output_tokens"] > 0 and r["mc_correct"] is not None for r in answers)
+    assert main(["--config", str(config), "--results", str(results)]) == 0  # nothing left: no Ray, no engine
+    assert ResultStore(results).read().num_rows == table.num_rows
+    assert (write_report(results, tmp_path / "report")).exists()
+
+
+@pytest.fixture(scope="module")
+def server(model_path: Path) -> Iterator[str]:
+    """vLLM's OpenAI server: the same /v1/completions protocol (token-id prompts) as the Serve app."""
+    port = free_port()
+    cmd = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_path),
+        "--served-model-name", MODEL, "--port", str(port), "--host", "127.0.0.1", "--dtype", "bfloat16",
+        "--max-model-len", "4096", "--enforce-eager", "--enable-prefix-caching", "--enable-prompt-tokens-details",
+    ]  # fmt: skip
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while proc.poll() is None and time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(2)
+        else:
+            pytest.fail(f"vLLM server not healthy (exit code {proc.poll()})")
+        yield url
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+@pytest.mark.engine
+def test_agent_cell_over_http_against_a_service(server: str, model_path: Path) -> None:
+    config = SweepConfig.model_validate({**MC, "backend": {"kind": "service", "base_url": server}})
+    cell = expand(config, load_catalogue()).cells[0]
+    factory = functools.partial(OpenAIBackend, server, MODEL)
+    access = ModelAccess(MODEL, str(model_path), 4096, 128, factory, f"service {server}")
+    table = asyncio.run(run_cell(cell, DataPaths().resolve(Path("/nonexistent")), access, access, cold_start=True))
+    rows = table.to_pylist()
+    assert all(not r["cold_start"] for r in rows)  # a service cannot empty its cache: recorded, not faked
+    turns = [r for r in rows if r["event"] == "turn"]
+    assert any(r["compacted"] for r in turns) and sum(r["step"] == "question" for r in turns) == 3
+    compacted = [r for r in turns if r["compacted"]]
+    assert all(r["chunks"] >= 1 and r["output_tokens"] > 0 for r in compacted)
+    assert any(r["cached_prompt_tokens"] > 0 for r in compacted)  # the server reports prefix-cache hits
+    assert all(r["answer_output_tokens"] > 0 for r in turns if r["step"] == "question")

@@ -1,4 +1,6 @@
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from compaction.errors import InvalidInput
 from compaction.history import parse_messages, render_history, template_view
@@ -59,3 +61,25 @@ def test_bad_messages_name_the_field(raw: list, field: str) -> None:
     with pytest.raises(InvalidInput) as err:
         parse_messages(raw)
     assert err.value.field.startswith(field)
+
+
+tricky = st.sampled_from(["", "user", "assistant", "\n", " padded ", "<|im_end|>", "Paris", "a\nb", "system"])
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    turns=st.lists(
+        st.tuples(st.sampled_from(["system", "user", "assistant"]), st.lists(tricky, min_size=1, max_size=4)),
+        min_size=1,
+        max_size=12,
+    )
+)
+def test_located_borders_equal_exact_prefix_rendering(tokenizer: HFChatTokenizer, turns) -> None:
+    messages = parse_messages([{"role": r, "content": "".join(parts)} for r, parts in turns])
+    rendered = render_history(messages, tokenizer)
+    views = [template_view(m) for m in messages]
+    text = tokenizer.render(views)
+    _, offsets = tokenizer.encode_with_offsets(text)
+    for i, start in enumerate(rendered.message_starts):
+        prefix = len(tokenizer.render(views[:i])) if i else 0
+        assert start == sum(1 for o in offsets if o < prefix)

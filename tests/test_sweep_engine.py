@@ -5,16 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import os
-import signal
-import socket
-import subprocess
-import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 import yaml
 
@@ -24,8 +17,9 @@ from jobs.report import write_report
 from jobs.results import ResultStore, integrity
 from serving.backends import OpenAIBackend
 from serving.models import load_catalogue
+from tests.support import SERVED_MODEL
 
-MODEL = "smollm2-135m-instruct"
+MODEL = SERVED_MODEL
 MC = {
     "name": "engine-mc",
     "models": [MODEL],
@@ -43,17 +37,6 @@ MC = {
         }
     ],
 }
-
-
-def free_port(low: int = 18140, high: int = 18160) -> int:
-    for port in range(low, high):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError(f"no free port in {low}-{high}")
 
 
 @pytest.mark.ray
@@ -85,43 +68,12 @@ def test_cli_runs_cells_on_the_engine_actor_and_skips_them_next_time(tmp_path: P
     assert (write_report(results, tmp_path / "report")).exists()
 
 
-@pytest.fixture(scope="module")
-def server(model_path: Path) -> Iterator[str]:
-    """vLLM's OpenAI server: the same /v1/completions protocol (token-id prompts) as the Serve app."""
-    port = free_port()
-    cmd = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_path),
-        "--served-model-name", MODEL, "--port", str(port), "--host", "127.0.0.1", "--dtype", "bfloat16",
-        "--max-model-len", "4096", "--enforce-eager", "--enable-prefix-caching", "--enable-prompt-tokens-details",
-    ]  # fmt: skip
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while proc.poll() is None and time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(2)
-        else:
-            pytest.fail(f"vLLM server not healthy (exit code {proc.poll()})")
-        yield url
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-
-
 @pytest.mark.engine
-def test_agent_cell_over_http_against_a_service(server: str, model_path: Path) -> None:
-    config = SweepConfig.model_validate({**MC, "backend": {"kind": "service", "base_url": server}})
+def test_agent_cell_over_http_against_a_service(vllm_server: str, model_path: Path) -> None:
+    config = SweepConfig.model_validate({**MC, "backend": {"kind": "service", "base_url": vllm_server}})
     cell = expand(config, load_catalogue()).cells[0]
-    factory = functools.partial(OpenAIBackend, server, MODEL)
-    access = ModelAccess(MODEL, str(model_path), 4096, 128, factory, f"service {server}")
+    factory = functools.partial(OpenAIBackend, vllm_server, MODEL)
+    access = ModelAccess(MODEL, str(model_path), 4096, 128, factory, f"service {vllm_server}")
     table = asyncio.run(run_cell(cell, DataPaths().resolve(Path("/nonexistent")), access, access, cold_start=True))
     rows = table.to_pylist()
     assert all(not r["cold_start"] for r in rows)  # a service cannot empty its cache: recorded, not faked

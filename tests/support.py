@@ -1,0 +1,15 @@
+"""Small shared helpers of the test suite."""
+
+from __future__ import annotations
+
+import socket
+
+# The model name the test servers expose: the CPU default's catalogue name.
+SERVED_MODEL = "smollm2-135m-instruct"
+
+
+def free_port() -> int:
+    """A TCP port that is free on 127.0.0.1 right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

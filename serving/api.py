@@ -4,7 +4,7 @@ One FastAPI app (ray.serve.llm's, with its middleware) serves both, so an agent'
 compactions enter through the same door. Errors leave through one table (`ERRORS`), as OpenAI-style
 bodies `{"error": {"message", "type", "param", "code"}}` naming the offending field:
 
-    body over max_request_bytes            413      body not UTF-8 / not JSON       400
+    body over max_request_bytes            413      body empty / not UTF-8 / not JSON   400
     Content-Type not application/json      415      missing or wrong bearer key     401
     field fails validation                 422      unknown model                   404
     compactions at their limit (Overloaded) 429 + Retry-After
@@ -160,6 +160,8 @@ class BodyGuard:
         if media != "application/json":
             message = f"body: Content-Type must be application/json, got {media or 'none'!r}"
             return error_response(415, "invalid_request_error", message, "body")
+        if not body.strip():
+            return error_response(400, "invalid_request_error", "body: empty; send a JSON object", "body")
         try:
             body.decode("utf-8")
         except UnicodeDecodeError as exc:

@@ -161,7 +161,7 @@ class Coordinator:
         shape = self._placement_input(plan, job, await runtime.replicas(), compactor)
         placement = place(shape, job.placement, runtime.cost)
         recorder = Recorder(compactor.backend)
-        result = await compactor.run(plan, routes=placement.keys(), backend=recorder)
+        result = await compactor.run(plan, routes=placement.routes(), backend=recorder)
         return self._result(plan, placement, result, recorder, job.session_id)
 
     @staticmethod

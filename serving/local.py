@@ -60,6 +60,7 @@ class LocalService:
         self.metrics_port = metrics_port
         self.quiet = quiet
         self.url = f"http://127.0.0.1:{port}"
+        self._own_ray = False  # started Ray here, so shut it down here
 
     def start(self) -> str:
         """Start Ray (unless already connected), Serve and the application; wait until healthy."""
@@ -70,6 +71,7 @@ class LocalService:
 
         parse_args(self.args)  # refuse bad arguments before starting anything
         if not ray.is_initialized():
+            self._own_ray = True
             path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
             ray.init(
                 num_cpus=self.num_cpus,
@@ -116,9 +118,11 @@ class LocalService:
         import ray
         from ray import serve
 
-        if ray.is_initialized():
-            say("shutting down Serve and Ray")
-            serve.shutdown()
+        if not ray.is_initialized():
+            return
+        say("shutting down Serve" + (" and Ray" if self._own_ray else ""))
+        serve.shutdown()
+        if self._own_ray:
             ray.shutdown()
 
     def __enter__(self) -> LocalService:

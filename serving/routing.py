@@ -137,7 +137,7 @@ class Placement(BaseModel):
     slots: list[int] = Field(description="Ring slot of each chunk (0 = home); unused (0) for round robin.")
     estimates: dict[str, Estimate] = Field(description="Cost-model estimates of the candidates.")
 
-    def keys(self) -> list[str | None]:
+    def routes(self) -> list[str | None]:
         """One routing key per chunk for `Compactor.run`."""
         if self.kind == "round_robin":
             return [RouteKey(None).encode() for _ in self.slots]

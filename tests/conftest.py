@@ -44,3 +44,22 @@ def engine(model_path: Path) -> Iterator[Any]:
     backend = VLLMBackend.start(model_path, max_model_len=8192, kv_cache_gib=2)
     yield backend
     backend.shutdown()
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator[None]:
+    """One local Ray cluster for all Ray tests: 4 logical CPUs (two model replicas and the rest fit)."""
+    import ray
+    from ray import serve
+
+    root = Path(__file__).resolve().parents[1]
+    ray.init(
+        num_cpus=4,
+        include_dashboard=False,
+        log_to_driver=False,
+        _metrics_export_port=18091,
+        runtime_env={"env_vars": {"PYTHONPATH": str(root)}},
+    )
+    yield
+    serve.shutdown()
+    ray.shutdown()

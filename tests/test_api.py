@@ -60,6 +60,7 @@ def test_a_good_request_reaches_the_handler_with_its_options(client: TestClient)
     [
         (b'{"model": "m", "messages": [}', {"content-type": "application/json"}, 400, "not valid JSON"),
         (b"\xff\xfe{}", {"content-type": "application/json"}, 400, "not UTF-8"),
+        (b"  ", {"content-type": "application/json"}, 400, "empty"),
         (b'{"model": "m"}', {"content-type": "text/plain"}, 415, "application/json"),
         (b'{"model": "m"}', {}, 415, "application/json"),
         (b"x" * 5000, {"content-type": "application/json"}, 413, "over the limit"),

@@ -77,13 +77,13 @@ def coordinator(tokenizer: HFChatTokenizer, replicas: FakeReplicas, **kw: Any) -
     return Coordinator({MODEL: ModelRuntime(compactor, replicas.count)}, **kw)
 
 
-def job(messages: list[dict[str, str]], session: str | None = "s1", placement: str = "auto", **options: Any) -> CompactJob:
+def job(messages: list[dict[str, str]], placement: str = "auto", **options: Any) -> CompactJob:
     opts = CompactionOptions.parse({"chunk_tokens": 256, "max_chunk_summary_tokens": 16, **options})
     return CompactJob(
         model=MODEL,
         messages=parse_messages(messages),
         options=opts,
-        session_id=session,
+        session_id="s1",
         placement=placement,  # type: ignore[arg-type]
     )
 
@@ -104,7 +104,8 @@ async def test_a_session_compaction_is_pinned_to_the_replica_holding_its_history
     assert stats.replicas == [home] * stats.chunks and stats.chunks > 3
     assert stats.history_prompt_tokens == sum(c.end for c in stats.per_chunk)
     assert stats.history_cached_fraction >= 0.9
-    assert stats.placement.estimates["pinned"].new_prefill_tokens < stats.placement.estimates["spread"].new_prefill_tokens
+    estimates = stats.placement.estimates
+    assert estimates["pinned"].new_prefill_tokens < estimates["spread"].new_prefill_tokens
 
 
 async def test_round_robin_serves_less_history_from_cache(tokenizer: HFChatTokenizer) -> None:

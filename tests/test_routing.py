@@ -23,7 +23,7 @@ HISTORY = tuple(range(1000, 5000))  # a 4000-token "rendered history"
 
 def chained(ends: list[int], tail: int = 40) -> tuple[PromptShape, ...]:
     """prefix_exact prompts: history[0:end] + a tail of its own."""
-    return tuple(PromptShape(HISTORY[:end] + tuple(range(-tail * (k + 1), -tail * k)), end) for k, end in enumerate(ends))
+    return tuple(PromptShape((*HISTORY[:end], *range(-tail * (k + 1), -tail * k)), end) for k, end in enumerate(ends))
 
 
 def independent(ends: list[int], tail: int = 40) -> tuple[PromptShape, ...]:
@@ -91,7 +91,7 @@ def test_prefill_dominated_compaction_is_pinned_to_the_session() -> None:
     assert placement.kind == "pinned" and placement.slots == [0, 0, 0, 0]
     assert placement.reason.startswith("prefill dominates")
     assert placement.estimates["spread"].new_prefill_tokens > placement.estimates["pinned"].new_prefill_tokens
-    assert [RouteKey.decode(k) for k in placement.keys()] == [RouteKey("s1", 0)] * 4
+    assert [RouteKey.decode(k) for k in placement.routes()] == [RouteKey("s1", 0)] * 4
 
 
 def test_decode_dominated_compaction_is_spread_in_contiguous_ranges() -> None:
@@ -113,7 +113,7 @@ def test_requested_modes_override_the_model() -> None:
     assert place(inputs(prompts), "spread", CostModel()).slots == [1, 1, 0, 0]
     assert place(inputs(prompts, max_tokens=4096), "pinned", CostModel(batch_growth=5)).kind == "pinned"
     robin = place(inputs(prompts), "round_robin", CostModel())
-    assert robin.kind == "round_robin" and all(RouteKey.decode(k) == RouteKey(None) for k in robin.keys())
+    assert robin.kind == "round_robin" and all(RouteKey.decode(k) == RouteKey(None) for k in robin.routes())
 
 
 def test_one_replica_or_one_chunk_is_always_pinned() -> None:
@@ -122,5 +122,5 @@ def test_one_replica_or_one_chunk_is_always_pinned() -> None:
 
 
 def test_history_key_depends_on_the_history_start_only() -> None:
-    assert history_key(HISTORY, 16) == history_key(HISTORY[:40] + (1, 2, 3), 16)
+    assert history_key(HISTORY, 16) == history_key((*HISTORY[:40], 1, 2, 3), 16)
     assert history_key(HISTORY, 16) != history_key((7, *HISTORY), 16)

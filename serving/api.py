@@ -223,12 +223,15 @@ class CompactionIngress(OpenAiIngress):
         return outcome
 
     async def healthz(self) -> dict[str, Any]:
-        """Ready when the coordinator answers (the model replicas are checked by Serve itself)."""
+        """Ready when the coordinator answers and every model has a running replica."""
         try:
-            models = await asyncio.wait_for(self._coordinator.models.remote(), timeout=10)
+            replicas = await asyncio.wait_for(self._coordinator.replicas.remote(), timeout=10)
         except Exception as exc:
             raise BackendError(f"the compaction coordinator is not answering: {exc!r}") from exc
-        return {"status": "ok", "models": models}
+        starting = sorted(name for name, count in replicas.items() if count == 0)
+        if starting:
+            raise BackendError(f"no running replica yet for {starting}; the models are starting or failed")
+        return {"status": "ok", "models": sorted(replicas), "replicas": replicas}
 
 
 def compaction_routes() -> dict[str, Any]:

@@ -108,8 +108,11 @@ class CoordinatorDeployment:
         except CompactionError as exc:
             return Failure.of(exc)
 
-    async def models(self) -> list[str]:
-        return sorted(self._coordinator.models)
+    async def replicas(self) -> dict[str, int]:
+        """Running replicas of every hosted model."""
+        runtimes = self._coordinator.models
+        counts = await asyncio.gather(*(runtimes[name].replicas() for name in sorted(runtimes)))
+        return dict(zip(sorted(runtimes), counts, strict=True))
 
     async def reset_prefix_cache(self, model: str) -> None:
         """Empty the prefix cache of every replica of `model` (demos and benchmarks start cold)."""

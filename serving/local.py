@@ -74,6 +74,7 @@ class LocalService:
             self._own_ray = True
             path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
             ray.init(
+                address="local",  # a new cluster of our own, never someone else's running one
                 num_cpus=self.num_cpus,
                 include_dashboard=False,
                 log_to_driver=not self.quiet,

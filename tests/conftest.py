@@ -54,6 +54,7 @@ def ray_cluster() -> Iterator[None]:
 
     root = Path(__file__).resolve().parents[1]
     ray.init(
+        address="local",
         num_cpus=4,
         include_dashboard=False,
         log_to_driver=False,

@@ -53,7 +53,7 @@ def reset_caches() -> None:
 
 def test_models_health_and_docs(client: httpx.Client) -> None:
     assert [m["id"] for m in client.get("/v1/models").json()["data"]] == [MODEL]
-    assert client.get("/healthz").json() == {"status": "ok", "models": [MODEL]}
+    assert client.get("/healthz").json() == {"status": "ok", "models": [MODEL], "replicas": {MODEL: 2}}
     assert client.get("/docs").status_code == 200
     paths = client.get("/openapi.json").json()["paths"]
     assert {"/v1/compact", "/v1/chat/completions", "/v1/completions", "/healthz"} <= set(paths)

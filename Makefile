@@ -3,6 +3,7 @@ PYTHON ?= python3.11
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
+PORT   ?= 8000
 
 .PHONY: install model run test lint bench serve sweep clean
 
@@ -21,8 +22,13 @@ install: $(STAMP)
 model: $(STAMP)
 	$(BIN)/python -m serving.weights fetch
 
+# The service on http://127.0.0.1:$(PORT) until Ctrl-C.
+serve: model
+	$(BIN)/python -m serving.local --port $(PORT)
+
+# Starts the service, compacts the demo conversation over HTTP with both strategies, prints the table, stops.
 run: model
-	$(BIN)/python -m jobs.demo $(if $(CONVERSATION),--conversation $(CONVERSATION))
+	$(BIN)/python -m jobs.demo --port $(PORT) $(if $(CONVERSATION),--conversation $(CONVERSATION))
 
 test: model
 	$(BIN)/python -m pytest -q -ra

@@ -82,3 +82,22 @@ def vllm_server(model_path: Path) -> Iterator[str]:
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator[None]:
+    """One local Ray cluster for all Ray tests: 4 logical CPUs (two model replicas and the rest fit)."""
+    import ray
+    from ray import serve
+
+    root = Path(__file__).resolve().parents[1]
+    ray.init(
+        address="local",
+        num_cpus=4,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"PYTHONPATH": str(root)}},
+    )
+    yield
+    serve.shutdown()
+    ray.shutdown()

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -15,6 +18,7 @@ from jobs.cells import ModelAccess, run_cell
 from jobs.grid import DataPaths, SweepConfig, expand
 from jobs.report import write_report
 from jobs.results import ResultStore, integrity
+from jobs.sweep import REPO_ROOT
 from serving.backends import OpenAIBackend
 from serving.models import load_catalogue
 from tests.support import SERVED_MODEL
@@ -42,17 +46,17 @@ MC = {
 @pytest.mark.ray
 @pytest.mark.engine
 def test_cli_runs_cells_on_the_engine_actor_and_skips_them_next_time(tmp_path: Path) -> None:
-    import ray
+    def sweep_cli(*extra: str) -> None:
+        """`python jobs/sweep.py` as a user runs it: its own local Ray, whatever this test process holds."""
+        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+        cmd = [sys.executable, "jobs/sweep.py", "--config", str(config), "--results", str(results), *extra]
+        subprocess.run(cmd, cwd=REPO_ROOT, env=env, check=True, timeout=1200)
 
-    from jobs.sweep import main
-
-    if ray.is_initialized():
-        pytest.skip("needs to start its own local Ray")
     config = tmp_path / "mc.yaml"
     config.write_text(yaml.safe_dump(MC))
     results = tmp_path / "results"
     began = time.perf_counter()
-    assert main(["--config", str(config), "--results", str(results), "--num-cpus", "2"]) == 0
+    sweep_cli("--num-cpus", "2")
     print(f"\nsweep of 2 MC cells on the real engine: {time.perf_counter() - began:.0f} s")
     table = ResultStore(results).read()
     counts = integrity(table)
@@ -63,7 +67,7 @@ def test_cli_runs_cells_on_the_engine_actor_and_skips_them_next_time(tmp_path: P
     assert max(r["compaction_count"] for r in episodes) >= 1 and all(r["cold_start"] for r in rows)
     answers = [r for r in rows if r["step"] == "question"]
     assert all(r["answer_output_tokens"] > 0 and r["mc_correct"] is not None for r in answers)
-    assert main(["--config", str(config), "--results", str(results)]) == 0  # nothing left: no Ray, no engine
+    sweep_cli()  # nothing left to run: no Ray, no engine
     assert ResultStore(results).read().num_rows == table.num_rows
     assert (write_report(results, tmp_path / "report")).exists()
 

@@ -1,0 +1,152 @@
+"""Prefix-cache affinity, measured by the engine: an agent session's turns, then its compaction.
+
+    python -m jobs.affinity [--port 8000] [--base-tokens 2400] [--turns 3] [--turn-tokens 300]
+
+Starts the service, then plays the same agent session three times, each on empty prefix caches:
+  - affinity on: the agent's /v1/chat/completions turns carry `x-session-id` (so they stay on the
+    session's replica), the compaction names the session, and the coordinator places its chunk
+    prompts (here: pinned to that replica);
+  - affinity off for the compaction: the turns as above, the chunk prompts round robin;
+  - affinity off everywhere: no session id at all; turns and chunk prompts round robin.
+A session is a LoCoMo conversation cut to `--base-tokens`, then `--turns` agent turns, each
+bringing the next ~`--turn-tokens` of the conversation as a new user message (as a tool result
+would) and getting a short reply. For each run it prints the compaction's history prompt tokens
+and how many vLLM served from its prefix cache (definitions in `serving.coordinator`), and the
+prompt tokens the agent's turns and the compaction had to compute.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from compaction.history import ChatTokenizer
+from jobs.conversations import LOCOMO_PATH, load_conversation, truncate_history
+
+MODEL = "smollm2-135m-instruct"
+COMPACTION = {"strategy": "parallel", "chunk_tokens": 512, "max_chunk_summary_tokens": 32}
+
+
+@dataclass(frozen=True)
+class Session:
+    base: list[dict[str, Any]]  # the history before the agent's turns
+    observations: list[str]  # the new user message of each turn
+
+
+def make_session(
+    conversation: list[dict[str, Any]], tokenizer: ChatTokenizer, base_tokens: int, turns: int, turn_tokens: int
+) -> Session:
+    """The conversation's first `base_tokens`, and the following messages grouped into turns."""
+    base = truncate_history(conversation, tokenizer, base_tokens)
+    rest = iter(conversation[len(base) :])
+    observations = []
+    for _ in range(turns):
+        lines: list[str] = []
+        while sum(len(tokenizer.encode(line)) for line in lines) < turn_tokens:
+            message = next(rest, None)
+            if message is None:
+                break
+            lines.append(str(message.get("content") or ""))
+        if lines:
+            observations.append("New messages in the conversation:\n" + "\n".join(lines))
+    return Session(base, observations)
+
+
+# label -> (the agent's turns carry x-session-id, the compaction names the session)
+MODES = {
+    "affinity on": (True, True),
+    "affinity off for the compaction": (True, False),
+    "affinity off everywhere": (False, False),
+}
+
+
+async def play(
+    client: httpx.AsyncClient, session: Session, *, sticky_turns: bool, session_compaction: bool, model: str = MODEL
+) -> dict[str, Any]:
+    """Run the agent's turns, then compact its history: the compaction's stats plus the turns' prompt tokens."""
+    session_id = f"agent-{uuid.uuid4().hex[:8]}"
+    headers = {"x-session-id": session_id} if sticky_turns else {}
+    messages = list(session.base)
+    turns = {"prompt_tokens": 0, "cached_tokens": 0}
+    for text in session.observations:
+        messages.append({"role": "user", "content": text})
+        body = {"model": model, "messages": messages, "max_tokens": 24, "temperature": 0.0}
+        response = await client.post("/v1/chat/completions", json=body, headers=headers)
+        response.raise_for_status()
+        turn = response.json()
+        turns["prompt_tokens"] += turn["usage"]["prompt_tokens"]
+        turns["cached_tokens"] += (turn["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        messages.append({"role": "assistant", "content": turn["choices"][0]["message"]["content"] or "ok"})
+    request: dict[str, Any] = {"model": model, "messages": messages, **COMPACTION}
+    if session_compaction:
+        request["session_id"] = session_id
+    else:
+        request["placement"] = "round_robin"
+    response = await client.post("/v1/compact", json=request)
+    response.raise_for_status()
+    return {**response.json()["stats"], "agent_turns": turns}
+
+
+def figure(label: str, stats: dict[str, Any]) -> str:
+    turns = stats["agent_turns"]
+    computed_turns = turns["prompt_tokens"] - turns["cached_tokens"]
+    return (
+        f"{label}: compaction history prompt tokens served from cache "
+        f"{stats['history_cached_tokens']}/{stats['history_prompt_tokens']} = "
+        f"{100 * stats['history_cached_fraction']:.1f}%; prompt tokens computed: agent turns {computed_turns} "
+        f"(of {turns['prompt_tokens']}) + compaction {stats['computed_prefill_tokens']} "
+        f"(of {stats['prompt_tokens']}); chunks on replicas {','.join(map(str, stats['replicas']))}; "
+        f"placement {stats['placement']['kind']}: {stats['placement']['reason']}"
+    )
+
+
+async def measure(url: str, session: Session, reset: Any) -> dict[str, dict[str, Any]]:
+    """Every mode, each after `reset()` empties the replicas' prefix caches."""
+    out = {}
+    async with httpx.AsyncClient(base_url=url, timeout=900) as client:
+        for label, (sticky, named) in MODES.items():
+            await reset()
+            out[label] = await play(client, session, sticky_turns=sticky, session_compaction=named)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--conversation", type=Path, default=LOCOMO_PATH)
+    parser.add_argument("--base-tokens", type=int, default=2400)
+    parser.add_argument("--turns", type=int, default=3)
+    parser.add_argument("--turn-tokens", type=int, default=300)
+    args = parser.parse_args(argv)
+
+    from ray import serve
+
+    from compaction.tokenizer import HFChatTokenizer
+    from serving.local import APP_NAME, LocalService
+    from serving.weights import fetch
+
+    tokenizer = HFChatTokenizer.from_path(fetch())
+    session = make_session(
+        load_conversation(args.conversation), tokenizer, args.base_tokens, args.turns, args.turn_tokens
+    )
+    with LocalService(args.port) as service:
+        coordinator = serve.get_deployment_handle("Coordinator", app_name=APP_NAME)
+
+        async def reset() -> None:
+            await coordinator.reset_prefix_cache.remote(MODEL)
+
+        results = asyncio.run(measure(service.url, session, reset))
+    for label, stats in results.items():
+        print(figure(label, stats))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

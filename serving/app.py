@@ -1,0 +1,172 @@
+"""The Serve application: model deployments, the compaction coordinator, and the HTTP ingress.
+
+    build_app(args) -> ray.serve.Application        (Serve config: import_path: serving.app:build_app)
+
+Graph: `CompactionIngress` (FastAPI; OpenAI endpoints + /v1/compact) -> `Coordinator` (one
+replica; plans, places, dispatches) -> one ray.serve.llm `LLMServer` deployment per model, routed
+by `SessionRouter` (consistent hash on the session id, placement keys from the coordinator).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from functools import partial
+from typing import Any, cast
+
+import ray
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from ray import serve
+from ray.serve.deployment import Application, Deployment
+from ray.serve.handle import DeploymentHandle
+from ray.serve.llm import build_llm_deployment
+from ray.serve.llm.ingress import OpenAiIngress
+
+from compaction.compactor import Compactor
+from compaction.errors import CompactionError
+from compaction.tokenizer import HFChatTokenizer
+from serving.api import make_ingress
+from serving.coordinator import CompactJob, Coordinator, Failure, ModelRuntime, ServiceResult
+from serving.dispatch import ReplicaBackend
+from serving.models import ModelSpec, load_catalogue
+from serving.ray_adapter import ROUTER_CLASS, model_card, router_kwargs
+from serving.routing import CostModel
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+class AppArgs(BaseModel):
+    """The `args` of the Serve application."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    models: list[str] = Field(
+        default_factory=lambda: [DEFAULT_MODEL], min_length=1, description="Catalogue names of the models to host."
+    )
+    catalogue: str | None = Field(None, description="Path of a catalogue YAML; default: the packaged one.")
+    api_key_env: str = Field(
+        "COMPACTION_API_KEY",
+        min_length=1,
+        description="Env var holding the API key; when set, every endpoint but /healthz and /docs needs "
+        "Authorization: Bearer <key>. Unset: no auth (fine on 127.0.0.1).",
+    )
+    max_request_bytes: int = Field(16 * 1024 * 1024, ge=1024, le=1 << 30, description="Bodies above this size get 413.")
+    max_concurrent_compactions: int = Field(
+        4, ge=1, le=1024, description="Compactions run at once; more get 429 with Retry-After."
+    )
+    compaction_timeout_s: float = Field(600.0, gt=0, le=86_400, description="A compaction past this gets 503.")
+    max_failovers: int = Field(2, ge=0, le=16, description="Times a chunk prompt moves to another replica on failure.")
+    cost: dict[str, CostModel] = Field(
+        default_factory=dict, description="Cost-model figures per model name (defaults: vLLM-CPU SmolLM2)."
+    )
+
+    @model_validator(mode="after")
+    def _known_cost_models(self) -> AppArgs:
+        unknown = sorted(set(self.cost) - set(self.models))
+        if unknown:
+            raise ValueError(f"cost names models that are not hosted: {unknown}")
+        if len(set(self.models)) != len(self.models):
+            raise ValueError(f"models lists a name twice: {self.models}")
+        return self
+
+
+def as_deployment(cls: type) -> Deployment:
+    return cast(Deployment, serve.deployment(cls))
+
+
+async def running_replicas(handle: DeploymentHandle) -> int:
+    """Running replicas of a deployment, from the Serve controller (off the event loop)."""
+    status = await asyncio.to_thread(serve.status)
+    app = status.applications.get(handle.app_name)
+    deployment = app.deployments.get(handle.deployment_name) if app else None
+    if deployment is None:
+        return 1
+    return int(deployment.replica_states.get("RUNNING", 0))  # type: ignore[call-overload]
+
+
+class CoordinatorDeployment:
+    """Serve adapter over `Coordinator`: builds it in the replica and returns failures as data."""
+
+    def __init__(self, llm_deployments: dict[str, DeploymentHandle], specs: list[ModelSpec], args: AppArgs) -> None:
+        runtimes = {}
+        self._backends = {}
+        for spec in specs:
+            handle = llm_deployments[spec.name]
+            backend = ReplicaBackend(handle, spec.name, max_failovers=args.max_failovers)
+            tokenizer = HFChatTokenizer.from_path(spec.resolved_source())
+            compactor = Compactor(tokenizer, backend, context_window=spec.max_model_len, block_size=spec.block_size)
+            runtimes[spec.name] = ModelRuntime(
+                compactor, partial(running_replicas, handle), args.cost.get(spec.name, CostModel())
+            )
+            self._backends[spec.name] = backend
+        self._coordinator = Coordinator(
+            runtimes, max_concurrent=args.max_concurrent_compactions, timeout_s=args.compaction_timeout_s
+        )
+
+    async def compact(self, job: CompactJob) -> ServiceResult | Failure:
+        try:
+            return await self._coordinator.compact(job)
+        except CompactionError as exc:
+            return Failure.of(exc)
+
+    async def replicas(self) -> dict[str, int]:
+        """Running replicas of every hosted model."""
+        runtimes = self._coordinator.models
+        counts = await asyncio.gather(*(runtimes[name].replicas() for name in sorted(runtimes)))
+        return dict(zip(sorted(runtimes), counts, strict=True))
+
+    async def reset_prefix_cache(self, model: str) -> None:
+        """Empty the prefix cache of every replica of `model` (demos and benchmarks start cold)."""
+        self._coordinator.runtime(model)
+        await self._backends[model].reset_prefix_cache()
+
+
+def parse_args(args: dict[str, Any] | AppArgs | None) -> AppArgs:
+    if isinstance(args, AppArgs):
+        return args
+    try:
+        return AppArgs.model_validate(args or {})
+    except ValidationError as exc:
+        raise ValueError(f"invalid serving.app args: {exc}") from exc
+
+
+def actor_options(env_vars: dict[str, str] | None = None) -> dict[str, Any]:
+    """Zero logical CPUs (they wait on the replicas) and the caller's runtime env, as LLMServer gets it."""
+    runtime_env = dict(ray.get_runtime_context().runtime_env)
+    if env_vars:
+        runtime_env["env_vars"] = {**runtime_env.get("env_vars", {}), **env_vars}
+    return {"num_cpus": 0, "runtime_env": runtime_env}
+
+
+def build_app(args: dict[str, Any]) -> Application:
+    """The whole application for the catalogue models named in `args` (see `AppArgs`)."""
+    opts = parse_args(args)
+    catalogue = load_catalogue(opts.catalogue)
+    try:
+        specs = [catalogue.get(name) for name in opts.models]
+    except CompactionError as exc:
+        raise ValueError(str(exc)) from exc
+    configs = {spec.name: spec.llm_config() for spec in specs}
+    routing = {"request_router_class": ROUTER_CLASS, "request_router_kwargs": router_kwargs()}
+    llms = {
+        name: build_llm_deployment(config, override_serve_options={"request_router_config": routing})
+        for name, config in configs.items()
+    }
+    coordinator = (
+        as_deployment(CoordinatorDeployment)
+        .options(
+            name="Coordinator",
+            ray_actor_options=actor_options(),
+            max_ongoing_requests=opts.max_concurrent_compactions * 2 + 8,
+        )
+        .bind(llms, specs, opts)
+    )
+    options = OpenAiIngress.get_deployment_options(list(configs.values()))
+    key = os.environ.get(opts.api_key_env)  # the key travels to the ingress wherever it runs
+    actor = actor_options({opts.api_key_env: key} if key else None)
+    ingress = make_ingress(opts.max_request_bytes, opts.api_key_env)
+    deployment = as_deployment(ingress).options(name="CompactionIngress", ray_actor_options=actor, **options)
+    return deployment.bind(
+        llm_deployments=llms,
+        model_cards={name: model_card(config) for name, config in configs.items()},
+        coordinator=coordinator,
+    )

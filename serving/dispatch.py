@@ -1,0 +1,109 @@
+"""The coordinator's backend: chunk prompts to a ray.serve.llm deployment, placed by routing key.
+
+`ReplicaBackend.generate` sends a token-id `/v1/completions` request through a Serve handle.
+The routing key travels as the request's session id; `SessionRouter` picks the replica, and
+`DeploymentHandle.choose_replica` tells us which one it picked before the request is dispatched,
+so every Generation names its replica. A replica that fails (actor died, engine error) is
+added to the key's avoid list and the prompt is sent again, up to `max_failovers` times.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import replace
+from typing import Any
+
+from ray.exceptions import RayError
+from ray.serve.exceptions import BackPressureError, RequestCancelledError
+from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+from ray.serve.llm.openai_api_models import CompletionRequest
+
+from compaction.backend import Generation, GenerationRequest
+from compaction.errors import BackendError, InvalidInput, Overloaded
+from serving.routing import RouteKey
+
+RETRY_AFTER_S = 5.0
+
+
+class ReplicaFailed(Exception):
+    """One replica could not answer one prompt; another replica may."""
+
+    def __init__(self, replica: str | None, cause: str) -> None:
+        super().__init__(f"{replica}: {cause}")
+        self.replica = replica
+
+
+class ReplicaBackend:
+    """`compaction.backend.Backend` over the replicas of one model deployment."""
+
+    def __init__(self, handle: DeploymentHandle, model_id: str, *, max_failovers: int = 2) -> None:
+        self.model_id = model_id
+        self.max_failovers = max_failovers
+        self._handle = handle.options(method_name="completions", stream=True)
+
+    async def generate(self, request: GenerationRequest) -> Generation:
+        key = RouteKey.decode(request.routing_key) or RouteKey(request.routing_key)
+        failures: list[str] = []
+        for attempt in range(self.max_failovers + 1):
+            try:
+                return replace(await self._once(request, key), failovers=attempt)
+            except ReplicaFailed as failed:
+                failures.append(str(failed))
+                key = key.avoiding(failed.replica)
+        raise BackendError(f"no replica of {self.model_id} could serve the prompt: {'; '.join(failures)}")
+
+    def _body(self, request: GenerationRequest) -> CompletionRequest:
+        return CompletionRequest(
+            model=self.model_id,
+            prompt=list(request.prompt_token_ids),
+            max_tokens=request.max_tokens,
+            min_tokens=request.min_tokens,
+            temperature=request.temperature,
+            repetition_penalty=request.repetition_penalty,
+        )
+
+    async def _once(self, request: GenerationRequest, key: RouteKey) -> Generation:
+        body = self._body(request)
+        handle = self._handle.options(session_id=key.encode())
+        began = time.perf_counter()
+        replica: str | None = None
+        final: Any = None
+        try:
+            async with handle.choose_replica(body, None) as selection:
+                replica = selection.replica_id
+                stream = handle.dispatch(selection, body, None)
+                assert isinstance(stream, DeploymentResponseGenerator)
+                async for item in stream:
+                    final = item
+        except (asyncio.CancelledError, RequestCancelledError):
+            raise
+        except BackPressureError as exc:
+            raise Overloaded(f"{self.model_id} replicas are saturated: {exc}", RETRY_AFTER_S) from exc
+        except RayError as exc:
+            raise ReplicaFailed(replica, f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}") from exc
+        return self._generation(final, replica, len(request.prompt_token_ids), time.perf_counter() - began)
+
+    def _generation(self, final: Any, replica: str | None, prompt_len: int, latency: float) -> Generation:
+        error = getattr(final, "error", None)
+        if error is not None:
+            if 400 <= int(error.code) < 500:
+                raise InvalidInput("messages", f"the model rejected a chunk prompt: {error.message}")
+            raise ReplicaFailed(replica, f"engine error {error.code}: {error.message}")
+        if final is None or not getattr(final, "choices", None):
+            raise ReplicaFailed(replica, "the replica returned no completion")
+        choice, usage = final.choices[0], final.usage
+        details = getattr(usage, "prompt_tokens_details", None)
+        return Generation(
+            text=choice.text or "",
+            output_tokens=int(usage.completion_tokens or 0),
+            prompt_tokens=int(usage.prompt_tokens or prompt_len),
+            cached_prompt_tokens=int(getattr(details, "cached_tokens", 0) or 0),
+            finish_reason=choice.finish_reason or "stop",
+            latency_s=latency,
+            replica=replica,
+        )
+
+    async def reset_prefix_cache(self) -> None:
+        """Empty every replica's prefix cache (benchmarks and demos start cold)."""
+        await self._handle.options(stream=False).broadcast("reset_prefix_cache").results_async()

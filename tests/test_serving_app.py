@@ -1,0 +1,198 @@
+"""The real application: Ray Serve, two vLLM-CPU SmolLM2 replicas, HTTP on 127.0.0.1:18000.
+
+Started once for the module (about 80 s on a quiet machine). The replica-kill test runs last:
+it leaves the model deployment replacing a replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from compaction.tokenizer import HFChatTokenizer
+from jobs.affinity import figure, make_session, measure
+from jobs.conversations import locomo_messages, truncate_history
+from serving.local import APP_NAME, LocalService
+from tests.support import SERVED_MODEL, free_port
+
+pytestmark = [pytest.mark.ray, pytest.mark.engine]
+
+PORT = free_port()
+MODEL = SERVED_MODEL
+MAX_BYTES = 1_000_000
+
+
+@pytest.fixture(scope="module")
+def service(ray_cluster: None) -> Iterator[LocalService]:
+    with LocalService(PORT, {"max_request_bytes": MAX_BYTES}) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(service: LocalService) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=service.url, timeout=900) as http:
+        yield http
+
+
+@pytest.fixture(scope="module")
+def history(locomo: list[dict[str, Any]], tokenizer: HFChatTokenizer) -> list[dict[str, Any]]:
+    """A LoCoMo conversation cut to about 3,000 tokens: fits the 8k window with room for the prompts."""
+    return truncate_history(locomo_messages(locomo[0]), tokenizer, 3000)
+
+
+def reset_caches() -> None:
+    from ray import serve
+
+    serve.get_deployment_handle("Coordinator", app_name=APP_NAME).reset_prefix_cache.remote(MODEL).result()
+
+
+def test_models_health_and_docs(client: httpx.Client) -> None:
+    assert [m["id"] for m in client.get("/v1/models").json()["data"]] == [MODEL]
+    assert client.get("/healthz").json() == {"status": "ok", "models": [MODEL], "replicas": {MODEL: 2}}
+    assert client.get("/docs").status_code == 200
+    paths = client.get("/openapi.json").json()["paths"]
+    assert {"/v1/compact", "/v1/chat/completions", "/v1/completions", "/healthz"} <= set(paths)
+
+
+def test_the_openai_client_talks_to_the_app(service: LocalService) -> None:
+    from openai import OpenAI
+
+    openai = OpenAI(base_url=f"{service.url}/v1", api_key="unused-without-COMPACTION_API_KEY")
+    reply = openai.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Name a colour."}], max_tokens=12, temperature=0
+    )
+    assert reply.choices[0].message.content and reply.usage and reply.usage.prompt_tokens > 0
+
+
+@pytest.mark.parametrize(
+    ("options", "chunks"),
+    [
+        ({"strategy": "parallel", "chunk_tokens": 512, "max_chunk_summary_tokens": 48}, 6),
+        ({"strategy": "sequential", "max_chunk_summary_tokens": 160}, 1),
+    ],
+)
+def test_http_compaction_of_a_locomo_conversation(
+    client: httpx.Client, history: list[dict[str, Any]], options: dict[str, Any], chunks: int
+) -> None:
+    response = client.post("/v1/compact", json={"model": MODEL, "messages": history, **options})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    stats = body["stats"]
+    assert stats["chunks"] >= chunks and len(stats["replicas"]) == stats["chunks"] and all(stats["replicas"])
+    assert body["summary"].strip() and all(c["summary_tokens"] > 0 for c in stats["per_chunk"])
+    assert len(body["messages"]) < len(history)
+    assert stats["compacted_tokens"] < stats["history_tokens"] // 2
+    assert stats["prompt_tokens"] == stats["cached_prompt_tokens"] + stats["computed_prefill_tokens"]
+    assert stats["placement"]["kind"] in ("pinned", "spread") and stats["placement"]["reason"]
+
+
+def test_affinity_serves_the_history_from_the_agents_cache(
+    service: LocalService, locomo: list[dict[str, Any]], tokenizer: HFChatTokenizer
+) -> None:
+    session = make_session(locomo_messages(locomo[1]), tokenizer, 2400, turns=3, turn_tokens=300)
+
+    async def reset() -> None:
+        await asyncio.to_thread(reset_caches)
+
+    results = asyncio.run(measure(service.url, session, reset))
+    for label, stats in results.items():
+        print(figure(label, stats))
+    on = results["affinity on"]
+    assert on["placement"]["kind"] == "pinned" and len(set(on["replicas"])) == 1
+    assert on["history_cached_fraction"] >= 0.8
+    for label in ("affinity off for the compaction", "affinity off everywhere"):
+        off = results[label]
+        assert len(set(off["replicas"])) == 2 and off["placement"]["kind"] == "round_robin"
+        assert off["history_cached_fraction"] < on["history_cached_fraction"], label
+
+
+GOOD: dict[str, Any] = {"model": MODEL, "messages": [{"role": "user", "content": "I booked a flight to Oslo."}] * 4}
+JSON = {"content-type": "application/json"}
+
+
+def bad_requests() -> list[tuple[str, dict[str, Any], int, str]]:
+    """(name, httpx request arguments, expected status, field or text the message must name)."""
+    huge = {"model": MODEL, "messages": [{"role": "user", "content": "word " * 5000}] * 8, "strategy": "sequential"}
+    null = {**GOOD, "messages": [{"role": "user", "content": None}]}
+    text = {"content-type": "text/plain"}
+    return [
+        ("missing messages", {"json": {"model": MODEL}}, 422, "messages"),
+        ("missing model", {"json": {"messages": GOOD["messages"]}}, 422, "model"),
+        ("messages not a list", {"json": {**GOOD, "messages": "hello"}}, 422, "messages"),
+        ("empty messages", {"json": {**GOOD, "messages": []}}, 422, "messages"),
+        ("unknown role", {"json": {**GOOD, "messages": [{"role": "robot", "content": "x"}]}}, 422, "messages[0].role"),
+        ("content of a wrong type", {"json": {**GOOD, "messages": [{"role": "user", "content": 7}]}}, 422, "content"),
+        ("null content, no tool calls", {"json": null}, 422, "messages[0].content"),
+        ("negative chunk_tokens", {"json": {**GOOD, "chunk_tokens": -5}}, 422, "chunk_tokens"),
+        ("huge chunk_tokens", {"json": {**GOOD, "chunk_tokens": 10**12}}, 422, "chunk_tokens"),
+        ("chunk_tokens not a number", {"json": {**GOOD, "chunk_tokens": "many"}}, 422, "chunk_tokens"),
+        ("unknown layout", {"json": {**GOOD, "layout": "diagonal"}}, 422, "layout"),
+        ("unknown variant", {"json": {**GOOD, "variant": "verbose"}}, 422, "variant"),
+        ("unknown strategy", {"json": {**GOOD, "strategy": "magic"}}, 422, "strategy"),
+        ("unknown field", {"json": {**GOOD, "chunk_size": 512}}, 422, "chunk_size"),
+        ("unknown model", {"json": {**GOOD, "model": "gpt-9"}}, 404, "model"),
+        ("keeps everything verbatim", {"json": {**GOOD, "keep_recent_tokens": 100_000}}, 422, "keep_recent_tokens"),
+        ("history over the window", {"json": huge}, 422, "messages"),
+        ("oversize body", {"content": b"[" + b"0," * MAX_BYTES + b"0]", "headers": JSON}, 413, "body"),
+        ("non-UTF-8 body", {"content": b'{"model": "\xff\xfe"}', "headers": JSON}, 400, "UTF-8"),
+        ("wrong content type", {"content": b'{"model": "x"}', "headers": text}, 415, "Content-Type"),
+        ("malformed JSON", {"content": b'{"model": "x", "messages": [', "headers": JSON}, 400, "JSON"),
+        ("empty body", {"content": b"", "headers": JSON}, 400, "empty"),
+        ("a JSON list, not an object", {"json": [GOOD]}, 422, "body"),
+    ]
+
+
+def test_bad_input_table_gets_4xx_naming_the_problem(client: httpx.Client) -> None:
+    rows = []
+    for name, request, status, needle in bad_requests():
+        response = client.post("/v1/compact", **request)
+        message = response.json()["error"]["message"]
+        rows.append((name, response.status_code, message))
+        assert response.status_code == status, (name, response.status_code, message)
+        assert needle in message, (name, message)
+    print("\n".join(f"{code}  {name:32s} {message[:90]}" for name, code, message in rows))
+    assert len(rows) >= 15 and all(code < 500 for _, code, _ in rows)
+    chat = client.post("/v1/chat/completions", json={"model": MODEL})
+    assert 400 <= chat.status_code < 500
+    assert client.get("/v1/compact").status_code == 405
+
+
+def llm_replicas() -> list[dict[str, str]]:
+    """The live replica actors of the model deployment (Serve names them SERVE_REPLICA::app#deployment#id)."""
+    import ray
+
+    prefix = f"SERVE_REPLICA::{APP_NAME}#LLMServer:{MODEL}#"
+    return [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)]
+
+
+def test_a_replica_killed_during_a_parallel_compaction(client: httpx.Client, history: list[dict[str, Any]]) -> None:
+    import ray
+
+    reset_caches()
+    replicas = llm_replicas()
+    assert len(replicas) == 2
+    victim = replicas[0]
+    body = {
+        "model": MODEL, "messages": history, "chunk_tokens": 512, "max_chunk_summary_tokens": 48, "placement": "spread",
+    }  # fmt: skip
+    outcome: dict[str, Any] = {}
+    worker = threading.Thread(target=lambda: outcome.update(response=client.post("/v1/compact", json=body)))
+    worker.start()
+    time.sleep(3)  # the chunk prompts are being prefilled on both replicas
+    ray.kill(ray.get_actor(victim["name"], namespace=victim["namespace"]), no_restart=True)
+    worker.join(timeout=600)
+    response = outcome["response"]
+    if response.status_code == 503:  # allowed: a clean failure, nothing returned half-done
+        assert response.headers["retry-after"] and "replica" in response.json()["error"]["message"]
+        return
+    assert response.status_code == 200, response.text
+    stats = response.json()["stats"]
+    print(f"failovers {stats['failovers']}, replicas {stats['replicas']}, killed {victim['name']}")
+    assert stats["failovers"] >= 1 and sum(c["failovers"] for c in stats["per_chunk"]) == stats["failovers"]
+    assert response.json()["summary"].strip() and len(response.json()["messages"]) < len(history)

@@ -1,0 +1,43 @@
+"""build_app and the Serve config, built (never started): the GPU models validate without a GPU."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from serving.app import AppArgs, build_app, parse_args
+
+pytestmark = pytest.mark.ray
+GPU_MODELS = ["llama-3.1-8b-instruct", "gpt-oss-20b", "gpt-oss-120b", "llama-3.3-70b-instruct"]
+SERVE_LOCAL = Path(__file__).resolve().parents[1] / "cluster" / "serve-local.yaml"
+
+
+def test_app_args_have_safe_defaults_and_refuse_unknown_keys() -> None:
+    args = AppArgs()
+    assert args.models == ["smollm2-135m-instruct"] and args.catalogue is None
+    assert args.api_key_env == "COMPACTION_API_KEY" and args.max_request_bytes > 1_000_000
+    for bad in ({"modelz": ["x"]}, {"models": []}, {"max_request_bytes": 0}, {"cost": {"other": {}}}):
+        with pytest.raises(ValueError, match=r"invalid serving\.app args"):
+            parse_args(bad)
+
+
+def test_the_gpu_models_build_into_an_application(ray_cluster: None) -> None:
+    from ray.serve.deployment import Application
+
+    assert isinstance(build_app({"models": GPU_MODELS}), Application)
+    assert isinstance(build_app({}), Application)
+    with pytest.raises(ValueError, match="unknown model 'llama-4'"):
+        build_app({"models": ["llama-4"]})
+
+
+def test_the_local_serve_config_is_valid(ray_cluster: None) -> None:
+    from ray.serve.schema import ServeDeploySchema
+
+    config = ServeDeploySchema.model_validate(yaml.safe_load(SERVE_LOCAL.read_text()))
+    (app,) = config.applications
+    assert app.import_path == "serving.app:build_app" and app.route_prefix == "/"
+    assert config.http_options.host == "127.0.0.1"
+    assert AppArgs.model_validate(app.args).models == ["smollm2-135m-instruct"]
+    assert build_app(app.args) is not None

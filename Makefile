@@ -28,7 +28,7 @@ serve: model
 
 # Starts the service, compacts the demo conversation over HTTP with both strategies, prints the table, stops.
 run: model
-	$(BIN)/python -m jobs.demo --port $(PORT) $(if $(CONVERSATION),--conversation $(CONVERSATION))
+	$(BIN)/python -m jobs.demo --port $(PORT) $(if $(CONVERSATION),--conversation $(CONVERSATION)) $(if $(REPLICAS),--replicas $(REPLICAS))
 
 test: model
 	$(BIN)/python -m pytest -q -ra

@@ -83,7 +83,8 @@ def run(args: argparse.Namespace) -> int:
         "parallel": {"chunk_tokens": args.chunk_tokens, "max_chunk_summary_tokens": per_chunk},
     }
     results: dict[str, dict[str, Any]] = {}
-    with LocalService(args.port) as service, httpx.Client(base_url=service.url, timeout=900) as client:
+    service_args = {"replicas": {MODEL: {"min": args.replicas, "max": args.replicas, "initial": args.replicas}}}
+    with LocalService(args.port, service_args) as service, httpx.Client(base_url=service.url, timeout=900) as client:
         coordinator = serve.get_deployment_handle("Coordinator", app_name=APP_NAME)
         for name, options in runs.items():
             coordinator.reset_prefix_cache.remote(MODEL).result()
@@ -108,6 +109,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--summary-tokens", type=int, default=256, help="Total summary budget of each run")
     parser.add_argument("--variant", default="default", choices=["concise", "default", "detailed"])
     parser.add_argument("--port", type=int, default=8000, help="HTTP port of the service on 127.0.0.1")
+    parser.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        choices=range(1, 9),
+        metavar="1..8",
+        help="Model replicas (one compaction pins to one replica; each more adds ~30 s of start-up on 2 cores)",
+    )
     args = parser.parse_args(argv)
     logging.getLogger("httpx").setLevel(logging.WARNING)
     try:

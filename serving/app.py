@@ -28,7 +28,7 @@ from compaction.tokenizer import HFChatTokenizer
 from serving.api import make_ingress
 from serving.coordinator import CompactJob, Coordinator, Failure, ModelRuntime, ServiceResult
 from serving.dispatch import ReplicaBackend
-from serving.models import ModelSpec, load_catalogue
+from serving.models import ModelSpec, Replicas, load_catalogue
 from serving.ray_adapter import ROUTER_CLASS, model_card, router_kwargs
 from serving.routing import CostModel
 
@@ -58,12 +58,16 @@ class AppArgs(BaseModel):
     cost: dict[str, CostModel] = Field(
         default_factory=dict, description="Cost-model figures per model name (defaults: vLLM-CPU SmolLM2)."
     )
+    replicas: dict[str, Replicas] = Field(
+        default_factory=dict, description="Replica bounds per model name, replacing the catalogue's."
+    )
 
     @model_validator(mode="after")
     def _known_cost_models(self) -> AppArgs:
-        unknown = sorted(set(self.cost) - set(self.models))
-        if unknown:
-            raise ValueError(f"cost names models that are not hosted: {unknown}")
+        for field, named in (("cost", self.cost), ("replicas", self.replicas)):
+            unknown = sorted(set(named) - set(self.models))
+            if unknown:
+                raise ValueError(f"{field} names models that are not hosted: {unknown}")
         if len(set(self.models)) != len(self.models):
             raise ValueError(f"models lists a name twice: {self.models}")
         return self
@@ -145,6 +149,7 @@ def build_app(args: dict[str, Any]) -> Application:
         specs = [catalogue.get(name) for name in opts.models]
     except CompactionError as exc:
         raise ValueError(str(exc)) from exc
+    specs = [s.model_copy(update={"replicas": opts.replicas[s.name]}) if s.name in opts.replicas else s for s in specs]
     configs = {spec.name: spec.llm_config() for spec in specs}
     routing = {"request_router_class": ROUTER_CLASS, "request_router_kwargs": router_kwargs()}
     llms = {

@@ -83,7 +83,7 @@ class LocalService:
             )
         app = build_app(self.args)
         serve.start(http_options={"host": "127.0.0.1", "port": self.port})
-        say("starting the model replicas (vLLM-CPU: about 80 s on a quiet machine)")
+        say("starting the model replicas (vLLM-CPU on 2 cores: about 50 s for one, 70 s for two)")
         began = time.monotonic()
         done = threading.Event()
         watcher = threading.Thread(target=self._report, args=(done, began), daemon=True)

@@ -141,15 +141,20 @@ def actor_options(env_vars: dict[str, str] | None = None) -> dict[str, Any]:
     return {"num_cpus": 0, "runtime_env": runtime_env}
 
 
-def build_app(args: dict[str, Any]) -> Application:
-    """The whole application for the catalogue models named in `args` (see `AppArgs`)."""
-    opts = parse_args(args)
+def hosted_specs(opts: AppArgs) -> list[ModelSpec]:
+    """The catalogue entries of the hosted models, with the args' replica bounds applied."""
     catalogue = load_catalogue(opts.catalogue)
     try:
         specs = [catalogue.get(name) for name in opts.models]
     except CompactionError as exc:
         raise ValueError(str(exc)) from exc
-    specs = [s.model_copy(update={"replicas": opts.replicas[s.name]}) if s.name in opts.replicas else s for s in specs]
+    return [s.model_copy(update={"replicas": opts.replicas[s.name]}) if s.name in opts.replicas else s for s in specs]
+
+
+def build_app(args: dict[str, Any]) -> Application:
+    """The whole application for the catalogue models named in `args` (see `AppArgs`)."""
+    opts = parse_args(args)
+    specs = hosted_specs(opts)
     configs = {spec.name: spec.llm_config() for spec in specs}
     routing = {"request_router_class": ROUTER_CLASS, "request_router_kwargs": router_kwargs()}
     llms = {

@@ -7,26 +7,46 @@ from pathlib import Path
 import pytest
 import yaml
 
-from serving.app import AppArgs, build_app, parse_args
+from serving.app import AppArgs, build_app, hosted_specs, parse_args
 
 pytestmark = pytest.mark.ray
 GPU_MODELS = ["llama-3.1-8b-instruct", "gpt-oss-20b", "gpt-oss-120b", "llama-3.3-70b-instruct"]
 SERVE_LOCAL = Path(__file__).resolve().parents[1] / "cluster" / "serve-local.yaml"
+SERVE_GPU = SERVE_LOCAL.with_name("serve-gpu.yaml")
 
 
 def test_app_args_have_safe_defaults_and_refuse_unknown_keys() -> None:
     args = AppArgs()
     assert args.models == ["smollm2-135m-instruct"] and args.catalogue is None
     assert args.api_key_env == "COMPACTION_API_KEY" and args.max_request_bytes > 1_000_000
-    for bad in ({"modelz": ["x"]}, {"models": []}, {"max_request_bytes": 0}, {"cost": {"other": {}}}):
+    bad_args = (
+        {"modelz": ["x"]},
+        {"models": []},
+        {"max_request_bytes": 0},
+        {"cost": {"other": {}}},
+        {"replicas": {"other": {}}},
+        {"replicas": {"smollm2-135m-instruct": {"min": 3, "max": 2}}},
+    )
+    for bad in bad_args:
         with pytest.raises(ValueError, match=r"invalid serving\.app args"):
             parse_args(bad)
+
+
+def test_replica_bounds_can_replace_the_catalogues() -> None:
+    (spec,) = hosted_specs(parse_args({"replicas": {"smollm2-135m-instruct": {"min": 1, "max": 3, "initial": 1}}}))
+    autoscaling = spec.llm_config().deployment_config["autoscaling_config"]
+    assert (autoscaling["min_replicas"], autoscaling["max_replicas"], autoscaling["initial_replicas"]) == (1, 3, 1)
+    (default,) = hosted_specs(parse_args({}))
+    assert default.replicas.initial == 2
 
 
 def test_the_gpu_models_build_into_an_application(ray_cluster: None) -> None:
     from ray.serve.deployment import Application
 
-    assert isinstance(build_app({"models": GPU_MODELS}), Application)
+    gpu_config = yaml.safe_load(SERVE_GPU.read_text())
+    (gpu_app,) = gpu_config["applications"]
+    assert sorted(gpu_app["args"]["models"]) == sorted(GPU_MODELS)
+    assert isinstance(build_app(gpu_app["args"]), Application)
     assert isinstance(build_app({}), Application)
     with pytest.raises(ValueError, match="unknown model 'llama-4'"):
         build_app({"models": ["llama-4"]})

@@ -27,7 +27,12 @@ from compaction.options import LAYOUTS
 from compaction.result import CompactionStats
 from compaction.tokenizer import HFChatTokenizer
 from jobs.conversations import LOCOMO_PATH, load_conversation, truncate_history
-from jobs.demo import say, table
+from jobs.demo import table
+
+
+def say(message: str) -> None:
+    print(f"[bench] {message}", file=sys.stderr, flush=True)
+
 
 COLUMNS = [
     "strategy", "layout", "cache", "input_tokens", "chunks", "prompt_tokens", "cached_prompt_tokens",

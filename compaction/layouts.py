@@ -38,7 +38,6 @@ class ChunkPrompt:
     tail: tuple[int, ...]  # turn close + instructions + generation prompt
     raw_prefix: int  # body[:raw_prefix] == history[:raw_prefix]: what the agent's own cache can serve
     history_tokens: int  # how many history tokens the body holds (markers excluded)
-    closed_turn: bool  # the body ends at a message border, so the tail need not close a turn
 
     @property
     def token_ids(self) -> tuple[int, ...]:
@@ -114,7 +113,7 @@ def build_prompts(
         extra = (options.chunk_instructions or {}).get(k)
         text = instruction_text(options.variant, target, options.max_chunk_summary_tokens, extra, strict)
         tail = ("" if closed else tokenizer.end_of_turn) + tokenizer.user_turn(text)
-        prompts.append(ChunkPrompt(chunk, tuple(body), tuple(tokenizer.encode(tail)), raw, hist, closed))
+        prompts.append(ChunkPrompt(chunk, tuple(body), tuple(tokenizer.encode(tail)), raw, hist))
     return tuple(prompts)
 
 

@@ -20,6 +20,7 @@ from typing import Any
 import httpx
 
 from compaction.errors import CompactionError
+from compaction.options import VARIANTS
 from jobs.conversations import LOCOMO_PATH, load_conversation, truncate_history
 
 MODEL = "smollm2-135m-instruct"
@@ -107,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--history-tokens", type=int, default=3072, help="Use the first messages up to this size")
     parser.add_argument("--chunk-tokens", type=int, default=512)
     parser.add_argument("--summary-tokens", type=int, default=256, help="Total summary budget of each run")
-    parser.add_argument("--variant", default="default", choices=["concise", "default", "detailed"])
+    parser.add_argument("--variant", default="default", choices=VARIANTS)
     parser.add_argument("--port", type=int, default=8000, help="HTTP port of the service on 127.0.0.1")
     parser.add_argument(
         "--replicas",

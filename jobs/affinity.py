@@ -28,7 +28,7 @@ from typing import Any
 import httpx
 
 from compaction.history import ChatTokenizer
-from jobs.conversations import LOCOMO_PATH, load_conversation, truncate_history
+from jobs.data.conversations import LOCOMO_PATH, load_conversation, truncate_history
 
 MODEL = "smollm2-135m-instruct"
 COMPACTION = {"strategy": "parallel", "chunk_tokens": 512, "max_chunk_summary_tokens": 32}

@@ -26,7 +26,7 @@ from compaction.history import parse_messages, template_view
 from compaction.options import LAYOUTS
 from compaction.result import CompactionStats
 from compaction.tokenizer import HFChatTokenizer
-from jobs.conversations import LOCOMO_PATH, load_conversation, truncate_history
+from jobs.data.conversations import LOCOMO_PATH, load_conversation, truncate_history
 from jobs.demo import table
 
 

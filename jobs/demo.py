@@ -21,7 +21,7 @@ import httpx
 
 from compaction.errors import CompactionError
 from compaction.options import VARIANTS
-from jobs.conversations import LOCOMO_PATH, load_conversation, truncate_history
+from jobs.data.conversations import LOCOMO_PATH, load_conversation, truncate_history
 
 MODEL = "smollm2-135m-instruct"
 

@@ -25,8 +25,8 @@ import matplotlib.pyplot as plt
 import pandas as pd
 import pyarrow as pa
 
-from jobs.metrics import coefficient_of_variation, pairwise_rouge_l
-from jobs.results import ResultStore, integrity
+from jobs.agent.metrics import coefficient_of_variation, pairwise_rouge_l
+from jobs.experiments.results import ResultStore, integrity
 
 AGENT_KEYS = ["model", "dataset", "strategy", "chunk_tokens", "layout", "variant"]
 SHAPE = ["model", "dataset", "tau", "variant"]

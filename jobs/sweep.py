@@ -29,10 +29,10 @@ import pyarrow as pa
 
 from compaction.backend import Backend
 from compaction.errors import CompactionError, InvalidInput
-from jobs.cells import ModelAccess, run_cell
-from jobs.conversations import SHARED_DATA
-from jobs.grid import Cell, SweepConfig, expand, load_config
-from jobs.results import ResultStore, integrity
+from jobs.data.conversations import SHARED_DATA
+from jobs.experiments.cells import ModelAccess, run_cell
+from jobs.experiments.grid import Cell, SweepConfig, expand, load_config
+from jobs.experiments.results import ResultStore, integrity
 from serving.models import Catalogue, load_catalogue
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -143,7 +143,7 @@ def start_models(
     """A ModelAccess per model the cells use (agents and judges); engine actors are started in parallel."""
     import ray
 
-    from jobs.engines import ActorBackend, EngineHost
+    from jobs.experiments.engines import ActorBackend, EngineHost
     from serving.backends import OpenAIBackend
 
     names = sorted({c.model for c in cells} | {c.judge_model for c in cells if c.judge_model})

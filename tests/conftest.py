@@ -16,9 +16,14 @@ import httpx
 import pytest
 
 from compaction.tokenizer import HFChatTokenizer
-from jobs.conversations import SHARED_DATA
+from jobs.data.conversations import SHARED_DATA
 from serving.weights import is_ready, model_dir
-from tests.support import SERVED_MODEL, free_port
+from tests.support import SERVED_MODEL, SERVICE_MAX_BYTES, free_port
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests that damage the shared service (killing replicas or the coordinator) run after all others."""
+    items.sort(key=lambda item: item.get_closest_marker("destructive") is not None)
 
 
 @pytest.fixture(scope="session")
@@ -101,3 +106,21 @@ def ray_cluster() -> Iterator[None]:
     yield
     serve.shutdown()
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def service(ray_cluster: None) -> Iterator[Any]:
+    """The real application, started once for the whole suite (about 80 s): every real-service test shares it.
+
+    Tests that kill parts of it carry the `destructive` marker and run last.
+    """
+    from serving.local import LocalService
+
+    with LocalService(free_port(), {"max_request_bytes": SERVICE_MAX_BYTES}) as running:
+        yield running
+
+
+@pytest.fixture(scope="session")
+def client(service: Any) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=service.url, timeout=900) as http:
+        yield http

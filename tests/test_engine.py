@@ -9,7 +9,7 @@ import pytest
 from compaction.compactor import Compactor
 from compaction.tokenizer import HFChatTokenizer
 from jobs.bench_compaction import prime_agent_cache
-from jobs.conversations import locomo_messages, truncate_history
+from jobs.data.conversations import locomo_messages, truncate_history
 
 pytestmark = pytest.mark.engine
 

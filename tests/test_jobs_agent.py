@@ -8,10 +8,10 @@ import pytest
 
 from compaction.backend import GenerationRequest
 from compaction.options import CompactionOptions
-from jobs.agent import AgentPipeline, AgentSettings, question_prompt
-from jobs.conversations import SHARED_DATA
-from jobs.datasets import load_hotpotqa
-from jobs.episodes import Document, Question, Step, hotpotqa_steps
+from jobs.agent.pipeline import AgentPipeline, AgentSettings, question_prompt
+from jobs.data.conversations import SHARED_DATA
+from jobs.data.datasets import load_hotpotqa
+from jobs.data.episodes import Document, Question, Step, hotpotqa_steps
 from tests.fakes import FakeBackend
 
 HOTPOT = SHARED_DATA / "hotpotqa_dev_distractor_sample100.json"

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from compaction.errors import InvalidInput, UnknownModel
-from jobs.grid import CONFIGS, SweepConfig, expand, load_config
+from jobs.experiments.grid import CONFIGS, SweepConfig, expand, load_config
 from jobs.sweep import Scheduler
 from serving.models import load_catalogue
 

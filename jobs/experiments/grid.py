@@ -19,13 +19,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from compaction.errors import InvalidInput
 from compaction.options import CompactionOptions, Layout, Strategy, Variant
-from jobs.judge import pick_judge
+from jobs.agent.judge import pick_judge
 from serving.models import Catalogue
 
 Kind = Literal["summary", "agent"]
 DatasetName = Literal["hotpotqa", "locomo", "locomo_mc"]
-FIXTURES = Path(__file__).with_name("fixtures")
-CONFIGS = Path(__file__).with_name("configs")
+FIXTURES = Path(__file__).resolve().parents[1] / "data" / "fixtures"
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
 class DataPaths(BaseModel):

@@ -11,7 +11,7 @@ from compaction.errors import InvalidInput
 from compaction.history import ChatTokenizer, parse_messages, render_history
 
 # The shared data folder beside the checkout (`../shared/data`), or $COMPACTION_DATA.
-SHARED_DATA = Path(os.environ.get("COMPACTION_DATA") or Path(__file__).resolve().parents[2] / "shared" / "data")
+SHARED_DATA = Path(os.environ.get("COMPACTION_DATA") or Path(__file__).resolve().parents[3] / "shared" / "data")
 LOCOMO_PATH = SHARED_DATA / "locomo10.json"
 
 

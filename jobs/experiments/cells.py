@@ -20,14 +20,14 @@ from compaction.compactor import Compactor
 from compaction.history import Message, parse_messages
 from compaction.result import CompactionStats
 from compaction.tokenizer import HFChatTokenizer
-from jobs.agent import AgentPipeline, AgentSettings, AgentTokenizer, Episode, Turn, matched_options
-from jobs.conversations import locomo_messages, truncate_history
-from jobs.datasets import LocomoSample, load_hotpotqa, load_locomo, load_locomo_mc
-from jobs.episodes import Question, Step, hotpotqa_steps, locomo_mc_steps, locomo_steps
-from jobs.grid import Cell
-from jobs.judge import Grade, Judge
-from jobs.metrics import hotpot_em, hotpot_f1, locomo_f1, mc_choice
-from jobs.results import to_table
+from jobs.agent.judge import Grade, Judge
+from jobs.agent.metrics import hotpot_em, hotpot_f1, locomo_f1, mc_choice
+from jobs.agent.pipeline import AgentPipeline, AgentSettings, AgentTokenizer, Episode, Turn, matched_options
+from jobs.data.conversations import locomo_messages, truncate_history
+from jobs.data.datasets import LocomoSample, load_hotpotqa, load_locomo, load_locomo_mc
+from jobs.data.episodes import Question, Step, hotpotqa_steps, locomo_mc_steps, locomo_steps
+from jobs.experiments.grid import Cell
+from jobs.experiments.results import to_table
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from jobs.conversations import locomo_session_messages, locomo_session_numbers
-from jobs.datasets import HotpotExample, LocomoMCRow, LocomoSample
+from jobs.data.conversations import locomo_session_messages, locomo_session_numbers
+from jobs.data.datasets import HotpotExample, LocomoMCRow, LocomoSample
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from compaction.compactor import Compactor
 from compaction.history import Message, parse_messages, template_view
 from compaction.options import CompactionOptions
 from compaction.result import CompactionStats
-from jobs.episodes import Document, Question, Step
+from jobs.data.episodes import Document, Question, Step
 
 SYSTEM_PROMPT = (
     "You are a research assistant. Documents and conversations arrive one turn at a time; "

@@ -1,6 +1,10 @@
 """The two strategies: plan (pure: render, partition, lay out) and run (dispatch, check, merge).
 
 Sequential compaction is the same flow with one prompt over the whole span.
+
+Incremental by construction: the summaries of earlier compactions at the head of a history are
+carried verbatim (`carry_summary_tokens`), not summarised again, and with a `ChunkCache` a chunk
+whose prompt is unchanged since an earlier compaction is not summarised again either.
 """
 
 from __future__ import annotations
@@ -12,7 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from compaction.backend import Backend, Generation, GenerationRequest
-from compaction.errors import ContextOverflow, InvalidInput
+from compaction.chunk_cache import ChunkCache, scope_of
+from compaction.errors import ContextOverflow, InvalidInput, NothingToCompact
 from compaction.history import (
     ChatTokenizer,
     Message,
@@ -31,14 +36,21 @@ SUMMARY_HEADER = "Summary of the earlier conversation (compacted):"
 RETRY_REPETITION_PENALTY = 1.3
 
 
+def is_summary(message: Message) -> bool:
+    """True for the summary message a compaction wrote (the client carries it in its history)."""
+    return message.role == "user" and message.text().startswith(SUMMARY_HEADER)
+
+
 @dataclass(frozen=True)
 class CompactionPlan:
     """Everything decided before any model call; the coordinator routes from it."""
 
     options: CompactionOptions
     history: RenderedHistory
-    kept_head: int  # leading system messages kept verbatim
+    kept_head: int  # leading messages kept verbatim: system messages, then carried earlier summaries
     kept_tail_from: int  # index of the first recent message kept verbatim
+    carried_tokens: int  # tokens of the earlier summaries carried verbatim in the head
+    scope: str  # the options that shape a chunk summary, as the chunk cache's key
     span: tuple[int, int]  # token range compacted
     prompts: tuple[ChunkPrompt, ...]  # one per chunk, in chunk order
     strict_prompts: tuple[ChunkPrompt, ...]  # same bodies, stricter tails (retries)
@@ -53,12 +65,19 @@ class Compactor:
     """Compacts histories with one tokenizer (chat template) and one backend."""
 
     def __init__(
-        self, tokenizer: ChatTokenizer, backend: Backend, *, context_window: int, block_size: int = 16
+        self,
+        tokenizer: ChatTokenizer,
+        backend: Backend,
+        *,
+        context_window: int,
+        block_size: int = 16,
+        cache: ChunkCache | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.backend = backend
         self.context_window = context_window
         self.block_size = block_size
+        self.cache = cache  # chunk summaries reused across compactions; None disables reuse
 
     def plan(
         self,
@@ -68,11 +87,16 @@ class Compactor:
         """Validate, render once, partition and lay out. Raises InvalidInput naming the problem."""
         opts = CompactionOptions.parse(options)
         history = render_history(parse_messages(messages), self.tokenizer)
-        head, tail_from = self._kept_ends(history, opts.keep_recent_tokens)
+        system, head, summaries, tail_from = self._kept_ends(history, opts)
         starts = (*history.message_starts, len(history.token_ids))
         span = (starts[head], starts[tail_from])
+        scope = scope_of(opts)
         if opts.strategy == "parallel":
-            chunks = partition(*span, opts.chunk_tokens, self.block_size)
+            # Summaries summarised again (not carried) form chunks of their own: a second level.
+            fixed = [starts[summaries]] if head < summaries else []
+            if self.cache is not None:
+                fixed += self.cache.borders(history.token_ids, *span, scope)
+            chunks = partition(*span, opts.chunk_tokens, self.block_size, fixed)
         else:
             chunks = (Chunk(0, *span),)
         if opts.chunk_instructions and max(opts.chunk_instructions) >= len(chunks):
@@ -84,27 +108,41 @@ class Compactor:
         self._check_window(prompts, opts)
         strict = build_prompts(history, self.tokenizer, opts, chunks, span[1], strict=True)
         floor = prefill_floor(prompts, span[1], self.block_size)
-        return CompactionPlan(opts, history, head, tail_from, span, prompts, strict, floor)
+        carried = starts[head] - starts[system]
+        return CompactionPlan(opts, history, head, tail_from, carried, scope, span, prompts, strict, floor)
 
     @staticmethod
-    def _kept_ends(history: RenderedHistory, keep_recent_tokens: int) -> tuple[int, int]:
-        """(leading system messages kept, first recent message kept): whole messages only."""
+    def _kept_ends(history: RenderedHistory, opts: CompactionOptions) -> tuple[int, int, int, int]:
+        """(system messages, messages kept at the head, end of the earlier summaries, first recent message kept).
+
+        Whole messages only. The head is the leading system messages, then the summaries of earlier
+        compactions while together they fit `carry_summary_tokens` (else they are summarised again).
+        """
         count = len(history.messages)
-        head = 0
-        while head < count and history.messages[head].role == "system":
-            head += 1
-        if head == count:
-            raise InvalidInput("messages", "the history holds only system messages; nothing to compact")
         starts = (*history.message_starts, len(history.token_ids))
+        system = 0
+        while system < count and history.messages[system].role == "system":
+            system += 1
+        if system == count:
+            raise NothingToCompact("messages", "the history holds only system messages; nothing to compact")
+        summaries = system
+        while summaries < count and is_summary(history.messages[summaries]):
+            summaries += 1
+        head = summaries if starts[summaries] - starts[system] <= opts.carry_summary_tokens else system
+        if head == count:
+            raise NothingToCompact("messages", "the history holds only system messages and earlier summaries")
         tail_from = count
-        while tail_from > head and starts[count] - starts[tail_from - 1] <= keep_recent_tokens:
+        keep = opts.keep_recent_tokens
+        while tail_from > head and starts[count] - starts[tail_from - 1] <= keep:
             tail_from -= 1
+        if opts.keep_current_turn:
+            users = [i for i in range(head, count) if history.messages[i].role == "user"]
+            tail_from = min(tail_from, users[-1]) if users else tail_from
         if tail_from == head:
-            raise InvalidInput(
-                "keep_recent_tokens",
-                f"{keep_recent_tokens} keeps the whole history verbatim; nothing to compact",
-            )
-        return head, tail_from
+            field = "keep_current_turn" if opts.keep_current_turn else "keep_recent_tokens"
+            message = f"keeps the whole history verbatim ({keep} recent tokens); nothing to compact"
+            raise NothingToCompact(field, message)
+        return system, head, summaries, tail_from
 
     def _check_window(self, prompts: Sequence[ChunkPrompt], opts: CompactionOptions) -> None:
         for p in prompts:
@@ -144,13 +182,35 @@ class Compactor:
         began = time.perf_counter()
         keys = list(routes) if routes is not None else [None] * len(plan.prompts)
         target = backend or self.backend
+        reused = {k: hit for k in range(len(plan.prompts)) if (hit := self._cached(plan, k)) is not None}
         try:
             async with asyncio.TaskGroup() as group:
-                tasks = [group.create_task(self._summarise(target, plan, k, keys[k])) for k in range(len(plan.prompts))]
+                tasks = {
+                    k: group.create_task(self._summarise(target, plan, k, keys[k]))
+                    for k in range(len(plan.prompts))
+                    if k not in reused
+                }
         except ExceptionGroup as failed:  # one chunk failed for good; the others were cancelled
             raise failed.exceptions[0] from None
-        per_chunk = [t.result() for t in tasks]
+        per_chunk = [reused[k] if k in reused else tasks[k].result() for k in range(len(plan.prompts))]
+        if self.cache is not None:
+            for k, task in tasks.items():
+                stats, text = task.result()
+                prompt = plan.prompts[k]
+                self.cache.put(plan.scope, plan.history.token_ids, prompt.chunk, prompt.token_ids, text, stats)
         return self._merge(plan, per_chunk, time.perf_counter() - began)
+
+    def _cached(self, plan: CompactionPlan, k: int) -> tuple[ChunkStats, str] | None:
+        """Chunk k's summary from the cache, if this exact prompt was summarised before."""
+        if self.cache is None:
+            return None
+        prompt = plan.prompts[k]
+        hit = self.cache.get(plan.scope, plan.history.token_ids, prompt.chunk, prompt.token_ids)
+        if hit is None:
+            return None
+        nothing = {"prompt_tokens": 0, "cached_prompt_tokens": 0, "computed_prefill_tokens": 0, "output_tokens": 0}
+        update = {**nothing, "index": k, "latency_s": 0.0, "retries": 0, "failovers": 0, "replica": None}
+        return hit.stats.model_copy(update={**update, "reused": True}), hit.text
 
     async def _summarise(
         self, backend: Backend, plan: CompactionPlan, k: int, route: str | None
@@ -217,6 +277,8 @@ class Compactor:
         return CompactionResult(
             messages=messages,
             summary=summary,
+            kept_head=plan.kept_head,
+            replaces_through=plan.kept_tail_from,
             stats=CompactionStats(
                 strategy=opts.strategy,
                 layout=opts.layout if opts.strategy == "parallel" else "sequential",
@@ -234,6 +296,8 @@ class Compactor:
                 latency_s=latency,
                 retries=sum(s.retries for s in stats),
                 failovers=sum(s.failovers for s in stats),
+                reused_chunks=sum(s.reused for s in stats),
+                carried_summary_tokens=plan.carried_tokens,
                 empty_or_runaway_chunks=[s.index for s in stats if s.status != "ok"],
                 replicas=[s.replica for s in stats],
                 per_chunk=stats,

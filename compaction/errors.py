@@ -20,6 +20,10 @@ class InvalidInput(CompactionError, ValueError):
         self.message = message
 
 
+class NothingToCompact(InvalidInput):
+    """Everything in the history is kept verbatim (system messages, carried summaries, recent turns)."""
+
+
 class ContextOverflow(InvalidInput):
     """A prompt would not fit the model's context window."""
 

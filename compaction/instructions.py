@@ -23,14 +23,14 @@ _VARIANTS: dict[Variant, str] = {
 _STRICT = "Write plain sentences and never repeat a sentence."
 
 
-def target_phrase(layout: Layout | None, index: int, count: int, opening: str) -> str:
+def target_phrase(layout: Layout | None, index: int, opening: str) -> str:
     """How the tail names what to summarise. `layout` None means the sequential whole-history prompt."""
     if layout is None:
         return "the conversation above"
-    part = f"part {index + 1} of {count} of the conversation above"
+    # No chunk count here: the tail of chunk k must not change when the history grows by more chunks,
+    # or its summary could not be reused by the next compaction (compaction.chunk_cache).
+    part = f"part {index + 1} of the conversation above"
     if layout == "prefix_exact":
-        if count == 1:
-            return "the conversation above"
         return (
             f"{part}: only the last part, which begins with “{opening}” and runs to the end. "
             "The earlier parts are context only; do not summarise them"

@@ -107,7 +107,6 @@ def build_prompts(
         target = target_phrase(
             None if sequential else options.layout,
             k,
-            len(chunks),
             opening_words(tokenizer, ids[chunk.start : chunk.end]),
         )
         extra = (options.chunk_instructions or {}).get(k)

@@ -46,6 +46,19 @@ class CompactionOptions(BaseModel):
     keep_recent_tokens: int = Field(
         0, ge=0, le=1_048_576, description="Newest whole messages up to this many tokens are kept verbatim."
     )
+    keep_current_turn: bool = Field(
+        False,
+        description="Also keep the agent's current turn verbatim: the last user message and everything after it "
+        "(on by default in chat-side compaction).",
+    )
+    carry_summary_tokens: int = Field(
+        4096,
+        ge=0,
+        le=1_048_576,
+        description="Summaries of earlier compactions at the head of the history are carried verbatim (not "
+        "summarised again) while together they stay within this many tokens; beyond it they are summarised "
+        "again, as chunks of their own (a second level). 0 always summarises them again.",
+    )
     chunk_instructions: dict[int, str] | None = Field(
         None, description="Extra instructions for particular chunks, keyed by 0-based chunk index."
     )

@@ -31,6 +31,11 @@ class ChunkStats(BaseModel):
         "kept_verbatim (no usable summary, the chunk text kept so nothing is lost)."
     )
     replica: str | None = Field(default=None, description="Replica that served the kept attempt.")
+    reused: bool = Field(
+        default=False,
+        description="The summary came from the chunk-summary cache (same prompt summarised before); the token "
+        "and latency figures are then zero: no work was done for it.",
+    )
 
 
 class CompactionStats(BaseModel):
@@ -53,6 +58,10 @@ class CompactionStats(BaseModel):
     latency_s: float
     retries: int
     failovers: int
+    reused_chunks: int = Field(0, description="Chunks whose summary came from the chunk-summary cache.")
+    carried_summary_tokens: int = Field(
+        0, description="Tokens of earlier compaction summaries kept verbatim at the head (not summarised again)."
+    )
     empty_or_runaway_chunks: list[int] = Field(description="Chunks whose first summary was empty or a runaway.")
     replicas: list[str | None] = Field(description="Replica of each chunk, in chunk order.")
     per_chunk: list[ChunkStats]
@@ -62,4 +71,12 @@ class CompactionResult(BaseModel):
     model_config = ConfigDict(frozen=True)
     messages: list[Message] = Field(description="The compacted history: kept system turns, summary, recent turns.")
     summary: str = Field(description="The merged chunk summaries, in chunk order.")
+    kept_head: int = Field(
+        0, description="Leading input messages kept verbatim before the summary (system messages, carried summaries)."
+    )
+    replaces_through: int = Field(
+        0,
+        description="Index of the first input message kept verbatim after the summary: "
+        "messages == input[:kept_head] + [summary] + input[replaces_through:].",
+    )
     stats: CompactionStats

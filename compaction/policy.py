@@ -1,0 +1,180 @@
+"""Compaction inside an agent's own chat turns: when to compact, what a snapshot is, how results splice on.
+
+Pure decisions (no Ray, no HTTP); `serving.chat` wires them to requests, the coordinator and replicas.
+
+A chat request opts in with one `context_management` entry (the OpenAI Responses API's shape):
+    {"type": "compaction", "compact_threshold": N, "background_threshold": M?, ...compaction options}
+and the turn's rendered prompt of P tokens is handled by `decide`:
+    P <= compact_threshold, no background work    -> none (or start one in the background when P > M)
+    P <= compact_threshold, background under way  -> none for now; the result waits for a later turn
+    P >  compact_threshold, background result     -> apply it: summary + every message after the snapshot
+    P >  compact_threshold, nothing usable        -> compact now (blocking), the current turn kept verbatim
+The protocol is stateless: the client keeps `compaction.messages + history[replaces_through:]`.
+A background snapshot is the request's whole message list; a later turn can use its result only
+if its own history still starts with exactly those messages (`Snapshot.covers`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import ConfigDict, Field, ValidationError, model_validator
+
+from compaction.errors import InvalidInput
+from compaction.history import ChatTokenizer, Message, template_view
+from compaction.options import CompactionOptions
+
+# Defaults that follow the threshold when the entry does not set them.
+KEEP_RECENT_SHARE = 0.25  # the newest turns up to this share of the (lower) threshold stay verbatim
+CARRY_SHARE = 0.25  # earlier summaries are carried verbatim while within this share of compact_threshold
+ENTRY_TYPE = "compaction"
+
+
+class ContextManagement(CompactionOptions):
+    """One `context_management` entry of a chat request: thresholds plus every /v1/compact option."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    type: Literal["compaction"] = Field(description='The kind of context management; only "compaction".')
+    compact_threshold: int = Field(
+        ge=256,
+        le=1_048_576,
+        description="When the turn's rendered prompt passes this many tokens, the turn is answered from a "
+        "compacted prompt (a finished background compaction, else one made now).",
+    )
+    background_threshold: int | None = Field(
+        None,
+        ge=128,
+        le=1_048_576,
+        description="With a session id: the first turn past this many tokens starts compacting its history in "
+        "the background and is answered at once; the result is used when a later turn passes compact_threshold.",
+    )
+    keep_current_turn: bool = Field(True, description="The last user message and everything after it stay verbatim.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _threshold_defaults(cls, data: Any) -> Any:
+        """keep_recent_tokens and carry_summary_tokens default to shares of the thresholds."""
+        if isinstance(data, dict) and isinstance(data.get("compact_threshold"), int):
+            threshold = data["compact_threshold"]
+            background = data.get("background_threshold")
+            lowest = min(threshold, background) if isinstance(background, int) and background > 0 else threshold
+            data = {
+                "keep_recent_tokens": int(lowest * KEEP_RECENT_SHARE),
+                "carry_summary_tokens": int(threshold * CARRY_SHARE),
+                **data,
+            }
+        return data
+
+    def options(self) -> CompactionOptions:
+        """The compaction options of this entry, for the core."""
+        return CompactionOptions.model_validate(self.model_dump(include=set(CompactionOptions.model_fields)))
+
+
+def parse_context_management(raw: Any, field: str = "context_management") -> ContextManagement | None:
+    """The request's compaction entry, or None when there is none. Raises InvalidInput naming the field."""
+    if raw is None:
+        return None
+    if not isinstance(raw, list):
+        raise InvalidInput(field, 'must be a list of entries such as [{"type": "compaction", "compact_threshold": N}]')
+    entries = list(enumerate(raw))
+    for i, entry in entries:
+        kind = entry.get("type") if isinstance(entry, dict) else None
+        if kind != ENTRY_TYPE:
+            raise InvalidInput(f"{field}[{i}].type", f'unknown entry type {kind!r}; the one supported is "compaction"')
+    if len(entries) > 1:
+        raise InvalidInput(f"{field}[1]", "only one compaction entry is allowed")
+    if not entries:
+        return None
+    try:
+        entry = ContextManagement.model_validate(entries[0][1])
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        loc = ".".join(str(p) for p in first["loc"])
+        raise InvalidInput(f"{field}[0].{loc}".rstrip("."), first["msg"]) from exc
+    _check_thresholds(entry, f"{field}[0]")
+    return entry
+
+
+def _check_thresholds(entry: ContextManagement, at: str) -> None:
+    if entry.background_threshold is not None and entry.background_threshold >= entry.compact_threshold:
+        raise InvalidInput(
+            f"{at}.background_threshold",
+            f"{entry.background_threshold} must be below compact_threshold ({entry.compact_threshold})",
+        )
+    lowest = min(t for t in (entry.compact_threshold, entry.background_threshold) if t is not None)
+    if entry.keep_recent_tokens >= lowest:
+        name = "background_threshold" if lowest != entry.compact_threshold else "compact_threshold"
+        raise InvalidInput(
+            f"{at}.{name}",
+            f"{lowest} is not above keep_recent_tokens ({entry.keep_recent_tokens}), which stay verbatim: "
+            "a compaction could not bring the prompt under it; raise the threshold or keep fewer tokens",
+        )
+
+
+def check_window(entry: ContextManagement, window: int, reply_tokens: int, at: str = "context_management[0]") -> None:
+    """compact_threshold must leave room for the reply in the model's window."""
+    room = window - reply_tokens
+    if entry.compact_threshold > room:
+        raise InvalidInput(
+            f"{at}.compact_threshold",
+            f"{entry.compact_threshold} leaves no room for the reply in the model window of {window} tokens "
+            f"({reply_tokens} reserved for it); use at most {max(room, 0)}",
+        )
+
+
+def prompt_tokens(messages: Sequence[Message], tokenizer: ChatTokenizer) -> int:
+    """Tokens of the prompt the model would see for these messages (chat template + generation prompt)."""
+    return len(tokenizer.encode(tokenizer.render([template_view(m) for m in messages], add_generation_prompt=True)))
+
+
+def message_digests(messages: Sequence[Message]) -> list[str]:
+    """One stable digest per message (null fields dropped, keys sorted)."""
+    dumps = (json.dumps(m.model_dump(exclude_none=True), sort_keys=True) for m in messages)
+    return [hashlib.blake2b(text.encode(), digest_size=16).hexdigest() for text in dumps]
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """The history a background compaction summarises: the request's messages when it started."""
+
+    length: int  # messages in the snapshot
+    digest: str  # digest of those messages, in order
+
+    @classmethod
+    def of(cls, digests: Sequence[str]) -> Snapshot:
+        return cls(len(digests), _chain(digests))
+
+    def covers(self, digests: Sequence[str]) -> bool:
+        """True when a history (given as message digests) still starts with exactly this snapshot."""
+        return len(digests) >= self.length and _chain(digests[: self.length]) == self.digest
+
+
+def _chain(digests: Sequence[str]) -> str:
+    return hashlib.blake2b("".join(digests).encode(), digest_size=16).hexdigest()
+
+
+Background = Literal["absent", "running", "done", "failed"]
+Action = Literal["none", "start_background", "wait", "apply", "compact"]
+
+
+def decide(tokens: int, entry: ContextManagement, background: Background, has_session: bool) -> Action:
+    """What this turn does (see the module docstring). `background`: the session's usable snapshot, if any."""
+    if tokens > entry.compact_threshold:
+        if background == "done":
+            return "apply"
+        return "wait" if background == "running" else "compact"
+    if background in ("running", "done"):
+        return "none"
+    bg = entry.background_threshold
+    if bg is not None and has_session and tokens > bg and background == "absent":
+        return "start_background"
+    return "none"
+
+
+def spliced(head: Sequence[Message], replaces_through: int, messages: Sequence[Message]) -> list[Message]:
+    """The prompt a compaction leaves: its head (kept messages + summary), then the request's messages after it."""
+    return [*head, *messages[replaces_through:]]

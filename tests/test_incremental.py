@@ -1,0 +1,116 @@
+"""Incremental compaction (pure; real tokenizer, fake backend): carried summaries and the chunk-summary cache."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from compaction.backend import GenerationRequest
+from compaction.chunk_cache import ChunkCache
+from compaction.compactor import SUMMARY_HEADER, Compactor, is_summary
+from compaction.history import parse_messages
+from compaction.partition import Chunk, partition
+from compaction.result import ChunkStats
+from compaction.tokenizer import HFChatTokenizer
+from tests.fakes import FakeBackend
+
+
+def turns(first: int, last: int) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for i in range(first, last):
+        out.append({"role": "user", "content": f"Turn {i}: please book trip number {i} to city {i} on day {i}."})
+        out.append({"role": "assistant", "content": f"Booked trip {i}; confirmation code C{i:04d}."})
+    return out
+
+
+SYSTEM = [{"role": "system", "content": "You are a travel agent."}]
+
+
+def numbered(request: GenerationRequest) -> tuple[str, str]:
+    return f"Summary {len(request.prompt_token_ids)}.", "stop"
+
+
+def make(tokenizer: HFChatTokenizer, cache: ChunkCache | None = None) -> tuple[Compactor, FakeBackend]:
+    backend = FakeBackend(block_size=16, script=numbered)
+    return Compactor(tokenizer, backend, context_window=8192, block_size=16, cache=cache), backend
+
+
+def test_fixed_borders_stay_borders() -> None:
+    chunks = partition(0, 1000, 300, 16, fixed=[100, 700, 5000])  # 5000 lies outside: ignored
+    assert [c.end for c in chunks] == [100, 400, 700, 1000]  # [100, 700) is cut on its own: 300 + 300
+    assert chunks[0] == Chunk(0, 0, 100) and [c.index for c in chunks] == list(range(4))
+    assert [c.end for c in partition(5, 1000, 300, 16, fixed=[333])] == [304, 333, 624, 928, 1000]
+
+
+async def test_a_grown_history_summarises_only_its_new_chunks(tokenizer: HFChatTokenizer) -> None:
+    cache = ChunkCache()
+    compactor, backend = make(tokenizer, cache)
+    options = {"chunk_tokens": 128}
+    first = await compactor.compact(SYSTEM + turns(0, 30), options)
+    old = first.stats.chunks
+    assert first.stats.reused_chunks == 0 and len(backend.requests) == old > 3 and len(cache) == old
+    grown = await compactor.compact(SYSTEM + turns(0, 40), options)
+    assert grown.stats.reused_chunks == old
+    assert len(backend.requests) == old + grown.stats.chunks - old  # only the new chunks were sent
+    assert grown.summary.startswith(first.summary)  # the old chunks' summaries, unchanged, in order
+    reused = [c for c in grown.stats.per_chunk if c.reused]
+    assert [c.index for c in reused] == list(range(old)) and all(c.prompt_tokens == 0 for c in reused)
+    assert grown.stats.prompt_tokens == sum(len(r.prompt_token_ids) for r in backend.requests[old:])
+
+
+async def test_other_options_or_an_edited_history_are_not_reused(tokenizer: HFChatTokenizer) -> None:
+    compactor, _ = make(tokenizer, ChunkCache())
+    await compactor.compact(SYSTEM + turns(0, 30), {"chunk_tokens": 128})
+    concise = await compactor.compact(SYSTEM + turns(0, 30), {"chunk_tokens": 128, "variant": "concise"})
+    assert concise.stats.reused_chunks == 0
+    edited = SYSTEM + turns(0, 30)
+    edited[3] = {"role": "user", "content": "Turn 1: actually, cancel trip 1."}
+    again = await compactor.compact(edited, {"chunk_tokens": 128})
+    assert again.stats.reused_chunks == 0  # every chunk's prompt holds the edited message or follows it
+
+
+def test_the_cache_is_bounded() -> None:
+    cache = ChunkCache(max_entries=3)
+    ids = list(range(100))
+    stats = ChunkStats.model_validate(
+        {
+            "index": 0, "start": 0, "end": 10, "prompt_tokens": 1, "cached_prompt_tokens": 0,
+            "computed_prefill_tokens": 1, "output_tokens": 1, "summary_tokens": 1, "latency_s": 0.0,
+            "retries": 0, "failovers": 0, "status": "ok",
+        }
+    )  # fmt: skip
+    for k in range(5):
+        cache.put("s", ids, Chunk(k, 10 * k, 10 * k + 10), ids[: 10 * k + 10], f"t{k}", stats)
+    assert len(cache) == 3
+    assert cache.get("s", ids, Chunk(0, 0, 10), ids[:10]) is None
+    hit = cache.get("s", ids, Chunk(4, 40, 50), ids[:50])
+    assert hit is not None and hit.text == "t4"
+    assert cache.borders(ids, 0, 100, "s") == []  # the chain from 0 was evicted
+    assert cache.borders(ids, 20, 100, "s") == [30, 40, 50]
+
+
+async def test_an_earlier_summary_is_carried_verbatim(tokenizer: HFChatTokenizer) -> None:
+    compactor, backend = make(tokenizer)
+    first = await compactor.compact(SYSTEM + turns(0, 30), {"chunk_tokens": 128})
+    assert is_summary(first.messages[1]) and first.kept_head == 1
+    history = [m.model_dump(exclude_none=True) for m in first.messages] + turns(30, 45)
+    sent = len(backend.requests)
+    second = await compactor.compact(history, {"chunk_tokens": 128})
+    assert second.messages[1] == parse_messages([history[1]])[0]  # carried as it was, word for word
+    assert is_summary(second.messages[2]) and second.messages[2].text().startswith(SUMMARY_HEADER)
+    assert second.kept_head == 2 and second.stats.carried_summary_tokens > 0
+    rendered = compactor.plan(history, {"chunk_tokens": 128}).history
+    after_summary = rendered.message_starts[2]
+    assert all(c.start >= after_summary for c in second.stats.per_chunk)  # never summarised again
+    assert len(backend.requests) - sent == second.stats.chunks
+
+
+async def test_summaries_past_the_carry_limit_are_summarised_again_on_their_own(tokenizer: HFChatTokenizer) -> None:
+    compactor, _ = make(tokenizer)
+    first = await compactor.compact(SYSTEM + turns(0, 30), {"chunk_tokens": 128})
+    history = [m.model_dump(exclude_none=True) for m in first.messages] + turns(30, 45)
+    plan = compactor.plan(history, {"chunk_tokens": 128, "carry_summary_tokens": 8})
+    starts = plan.history.message_starts
+    assert plan.kept_head == 1 and plan.carried_tokens == 0
+    assert plan.span[0] == starts[1] and starts[2] in [c.end for c in plan.chunks]  # a border after the summary
+    second = await compactor.compact(history, {"chunk_tokens": 128, "carry_summary_tokens": 8})
+    assert sum(is_summary(m) for m in second.messages) == 1

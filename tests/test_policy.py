@@ -1,0 +1,131 @@
+"""Chat-side compaction decisions (pure): the context_management entry, the turn's action, snapshots."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from compaction.compactor import Compactor
+from compaction.errors import InvalidInput, NothingToCompact
+from compaction.history import parse_messages
+from compaction.policy import (
+    ContextManagement,
+    Snapshot,
+    check_window,
+    decide,
+    message_digests,
+    parse_context_management,
+    spliced,
+)
+from compaction.tokenizer import HFChatTokenizer
+from tests.fakes import FakeBackend
+
+ENTRY = {"type": "compaction", "compact_threshold": 6000}
+
+
+def entry(**fields: Any) -> ContextManagement:
+    parsed = parse_context_management([{**ENTRY, **fields}])
+    assert parsed is not None
+    return parsed
+
+
+def test_absent_or_empty_means_no_compaction() -> None:
+    assert parse_context_management(None) is None and parse_context_management([]) is None
+
+
+def test_defaults_follow_the_thresholds() -> None:
+    plain = entry()
+    assert plain.keep_recent_tokens == 1500 and plain.carry_summary_tokens == 1500 and plain.keep_current_turn
+    assert entry(background_threshold=2000).keep_recent_tokens == 500
+    assert entry(keep_recent_tokens=0).keep_recent_tokens == 0
+    options = entry(chunk_tokens=512, variant="concise").options()
+    assert options.chunk_tokens == 512 and options.variant == "concise" and options.keep_current_turn
+
+
+@pytest.mark.parametrize(
+    ("raw", "field"),
+    [
+        ({"compaction": 1}, "context_management"),
+        ([{"type": "summarise", "compact_threshold": 6000}], "context_management[0].type"),
+        (["compaction"], "context_management[0].type"),
+        ([{"type": "compaction", "compact_threshold": "lots"}], "context_management[0].compact_threshold"),
+        ([{"type": "compaction", "compact_threshold": 6000.5}], "context_management[0].compact_threshold"),
+        ([{"type": "compaction"}], "context_management[0].compact_threshold"),
+        ([{**ENTRY, "background_threshold": 6000}], "context_management[0].background_threshold"),
+        ([{**ENTRY, "keep_recent_tokens": 7000}], "context_management[0].compact_threshold"),
+        (
+            [{**ENTRY, "background_threshold": 3000, "keep_recent_tokens": 3500}],
+            "context_management[0].background_threshold",
+        ),
+        ([{**ENTRY, "chunk_tokens": -5}], "context_management[0].chunk_tokens"),
+        ([{**ENTRY, "layout": "diagonal"}], "context_management[0].layout"),
+        ([{**ENTRY, "compact": True}], "context_management[0].compact"),
+        ([ENTRY, ENTRY], "context_management[1]"),
+    ],
+)
+def test_bad_entries_name_their_field(raw: Any, field: str) -> None:
+    with pytest.raises(InvalidInput) as caught:
+        parse_context_management(raw)
+    assert caught.value.field == field, caught.value
+
+
+def test_a_threshold_must_leave_room_for_the_reply() -> None:
+    check_window(entry(), 8192, 512)
+    with pytest.raises(InvalidInput, match="use at most 7680") as caught:
+        check_window(entry(compact_threshold=8000), 8192, 512)
+    assert caught.value.field == "context_management[0].compact_threshold"
+
+
+@pytest.mark.parametrize(
+    ("tokens", "background", "session", "action"),
+    [
+        (3000, "absent", True, "none"),
+        (5000, "absent", True, "start_background"),
+        (5000, "absent", False, "none"),  # no session: nowhere to keep the result
+        (5000, "running", True, "none"),
+        (5000, "done", True, "none"),
+        (5000, "failed", True, "none"),  # a failed background run is not retried before the threshold
+        (7000, "done", True, "apply"),
+        (7000, "running", True, "wait"),
+        (7000, "failed", True, "compact"),
+        (7000, "absent", True, "compact"),
+    ],
+)
+def test_the_turns_action(tokens: int, background: Any, session: bool, action: str) -> None:
+    assert decide(tokens, entry(background_threshold=4000), background, session) == action
+
+
+def test_without_background_threshold_only_blocking_compaction() -> None:
+    assert decide(5999, entry(), "absent", True) == "none"
+    assert decide(6001, entry(), "absent", True) == "compact"
+
+
+def test_a_snapshot_covers_the_histories_that_grow_from_it() -> None:
+    history = parse_messages([{"role": "user", "content": f"m{i}"} for i in range(6)])
+    snap = Snapshot.of(message_digests(history[:4]))
+    assert snap.covers(message_digests(history)) and snap.covers(message_digests(history[:4]))
+    assert not snap.covers(message_digests(history[:3]))
+    edited = [*history[:2], parse_messages([{"role": "user", "content": "changed"}])[0], *history[3:]]
+    assert not snap.covers(message_digests(edited))
+    # null fields do not change a message's identity
+    assert message_digests(parse_messages([{"role": "user", "content": "m0", "name": None}])) == message_digests(
+        history[:1]
+    )
+    head = parse_messages([{"role": "user", "content": "summary"}])
+    assert [m.content for m in spliced(head, 3, history)] == ["summary", "m3", "m4", "m5"]
+
+
+def test_the_current_turn_is_never_summarised(tokenizer: HFChatTokenizer) -> None:
+    compactor = Compactor(tokenizer, FakeBackend(), context_window=8192, block_size=16)
+    messages: list[dict[str, Any]] = [{"role": "system", "content": "sys"}]
+    for i in range(10):
+        messages += [{"role": "user", "content": f"question {i} " * 20}, {"role": "assistant", "content": "ok " * 20}]
+    messages += [{"role": "user", "content": "now fix the bug"}]
+    messages += [{"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "function": {"name": "ls"}}]}]
+    messages += [{"role": "tool", "tool_call_id": "c1", "content": "a.py b.py"}]
+    plan = compactor.plan(messages, {"chunk_tokens": 128, "keep_current_turn": True})
+    assert plan.kept_tail_from == len(messages) - 3  # the last user message and what follows it
+    assert compactor.plan(messages, {"chunk_tokens": 128}).kept_tail_from == len(messages)
+    with pytest.raises(NothingToCompact):
+        compactor.plan(messages[:1] + messages[-3:], {"keep_current_turn": True})

@@ -39,6 +39,11 @@ class HFChatTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(self._tok(text, add_special_tokens=False)["input_ids"])
 
+    @cached_property
+    def special_tokens(self) -> tuple[str, ...]:
+        """The text of every special token (role markers, end of turn, end of text)."""
+        return tuple(str(t) for t in getattr(self._tok, "all_special_tokens", ()))
+
     def decode(self, token_ids: Sequence[int]) -> str:
         return str(self._tok.decode(list(token_ids), skip_special_tokens=True))
 

@@ -25,16 +25,20 @@ from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 from ray.serve.llm.ingress import OpenAiIngress, make_fastapi_ingress
 from starlette.datastructures import Headers
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 from starlette.types import Message as AsgiMessage
 
 from compaction.errors import BackendError, InvalidInput, ModelNotAvailable, Overloaded, UnknownModel
 from compaction.history import Message
 from compaction.options import CompactionOptions
+from compaction.tokenizer import HFChatTokenizer
+from serving.chat import FIELD as CONTEXT_MANAGEMENT
+from serving.chat import PromptCounter, prepare_turn, with_compaction
 from serving.coordinator import CompactJob, Failure, ServiceResult
-from serving.ray_adapter import openai_app, openai_routes
+from serving.ray_adapter import ChatRequest, openai_app, openai_routes
 from serving.routing import PlacementMode
+from serving.sessions import ChatTurn, TurnCompaction
 
 SESSION_HEADER = "x-session-id"
 OPEN_PATHS = frozenset({"/healthz", "/docs", "/docs/oauth2-redirect", "/openapi.json", "/redoc"})
@@ -209,10 +213,15 @@ class CompactionIngress(OpenAiIngress):
         model_cards: dict[str, Any],
         *,
         coordinator: DeploymentHandle,
+        tokenizer_sources: dict[str, str],
+        windows: dict[str, int],
         lora_paths: dict[str, str] | None = None,
     ) -> None:
         super().__init__(llm_deployments, model_cards, lora_paths=lora_paths)
         self._coordinator = coordinator
+        self._tokenizer_sources = tokenizer_sources
+        self._windows = windows
+        self._counters: dict[str, PromptCounter] = {}
 
     async def compact(self, body: CompactRequest, request: Request) -> ServiceResult:
         """Compact a history; the stats show where each chunk ran and what the cache served."""
@@ -220,6 +229,33 @@ class CompactionIngress(OpenAiIngress):
         if isinstance(outcome, Failure):
             raise outcome.exception()
         assert isinstance(outcome, ServiceResult)
+        return outcome
+
+    async def chat(self, body: ChatRequest, request: Request) -> Response:
+        """OpenAI chat completions. With `context_management`, compacted server-side (see serving.chat)."""
+        if CONTEXT_MANAGEMENT not in (body.model_extra or {}):
+            return await super().chat(body, request)
+        raw = await request.json()
+        model = str(raw.get("model"))
+        if model not in self._windows:
+            raise UnknownModel("model", f"unknown model {model!r}; this service hosts {sorted(self._windows)}")
+        session = request.headers.get(SESSION_HEADER) or None
+        forward, outcome = await prepare_turn(raw, session, self._counter(model), self._windows[model], self._turn)
+        response = await super().chat(ChatRequest.model_validate(forward), request)
+        return with_compaction(response, outcome) if outcome is not None else response
+
+    def _counter(self, model: str) -> PromptCounter:
+        if model not in self._counters:
+            tokenizer = HFChatTokenizer.from_path(self._tokenizer_sources[model])
+            self._counters[model] = PromptCounter(tokenizer, tokenizer.special_tokens)
+        return self._counters[model]
+
+    async def _turn(self, turn: ChatTurn) -> TurnCompaction:
+        handle = self._coordinator.options(session_id=turn.session_id) if turn.session_id else self._coordinator
+        outcome = await handle.chat_turn.remote(turn)
+        if isinstance(outcome, Failure):
+            raise outcome.exception()
+        assert isinstance(outcome, TurnCompaction)
         return outcome
 
     async def healthz(self) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from ray.serve.handle import DeploymentHandle
 from ray.serve.llm import build_llm_deployment
 from ray.serve.llm.ingress import OpenAiIngress
 
+from compaction.chunk_cache import ChunkCache
 from compaction.compactor import Compactor
 from compaction.errors import CompactionError
 from compaction.tokenizer import HFChatTokenizer
@@ -31,6 +32,7 @@ from serving.dispatch import ReplicaBackend
 from serving.models import ModelSpec, Replicas, load_catalogue
 from serving.ray_adapter import ROUTER_CLASS, model_card, router_kwargs
 from serving.routing import CostModel
+from serving.sessions import ChatTurn, SessionCompactions, TurnCompaction
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -55,6 +57,18 @@ class AppArgs(BaseModel):
     )
     compaction_timeout_s: float = Field(600.0, gt=0, le=86_400, description="A compaction past this gets 503.")
     max_failovers: int = Field(2, ge=0, le=16, description="Times a chunk prompt moves to another replica on failure.")
+    chunk_cache_entries: int = Field(
+        4096,
+        ge=0,
+        le=10_000_000,
+        description="Chunk summaries kept per model for reuse by later compactions of a grown history (0: off).",
+    )
+    chat_sessions: int = Field(
+        4096,
+        ge=1,
+        le=10_000_000,
+        description="Chat sessions per coordinator replica whose background compaction is kept until used.",
+    )
     cost: dict[str, CostModel] = Field(
         default_factory=dict, description="Cost-model figures per model name (defaults: vLLM-CPU SmolLM2)."
     )
@@ -97,7 +111,10 @@ class CoordinatorDeployment:
             handle = llm_deployments[spec.name]
             backend = ReplicaBackend(handle, spec.name, max_failovers=args.max_failovers)
             tokenizer = HFChatTokenizer.from_path(spec.resolved_source())
-            compactor = Compactor(tokenizer, backend, context_window=spec.max_model_len, block_size=spec.block_size)
+            cache = ChunkCache(args.chunk_cache_entries) if args.chunk_cache_entries else None
+            compactor = Compactor(
+                tokenizer, backend, context_window=spec.max_model_len, block_size=spec.block_size, cache=cache
+            )
             runtimes[spec.name] = ModelRuntime(
                 compactor, partial(running_replicas, handle), args.cost.get(spec.name, CostModel())
             )
@@ -105,10 +122,19 @@ class CoordinatorDeployment:
         self._coordinator = Coordinator(
             runtimes, max_concurrent=args.max_concurrent_compactions, timeout_s=args.compaction_timeout_s
         )
+        self._sessions = SessionCompactions(self._coordinator.compact, max_sessions=args.chat_sessions)
 
     async def compact(self, job: CompactJob) -> ServiceResult | Failure:
         try:
             return await self._coordinator.compact(job)
+        except CompactionError as exc:
+            return Failure.of(exc)
+
+    async def chat_turn(self, turn: ChatTurn) -> TurnCompaction | Failure:
+        """The compaction outcome of one chat turn with context_management (serving.sessions)."""
+        try:
+            runtime = self._coordinator.runtime(turn.model)
+            return await self._sessions.turn(turn, runtime.compactor.tokenizer)
         except CompactionError as exc:
             return Failure.of(exc)
 
@@ -179,4 +205,6 @@ def build_app(args: dict[str, Any]) -> Application:
         llm_deployments=llms,
         model_cards={name: model_card(config) for name, config in configs.items()},
         coordinator=coordinator,
+        tokenizer_sources={spec.name: spec.resolved_source() for spec in specs},
+        windows={spec.name: spec.max_model_len for spec in specs},
     )

@@ -68,6 +68,13 @@ class ServiceResult(BaseModel):
     model_config = ConfigDict(frozen=True)
     messages: list[Message] = Field(description="The compacted history: kept system turns, summary, recent turns.")
     summary: str = Field(description="The merged chunk summaries, in chunk order.")
+    kept_head: int = Field(
+        description="Leading input messages kept verbatim before the summary (system messages, carried summaries)."
+    )
+    replaces_through: int = Field(
+        description="Index of the first input message kept verbatim after the summary: "
+        "messages == input[:kept_head] + [summary] + input[replaces_through:]."
+    )
     stats: ServiceStats
 
 
@@ -196,4 +203,10 @@ class Coordinator:
             "history_cached_fraction": round(history_cached / history_prompt, 4) if history_prompt else 0.0,
         }
         stats = ServiceStats.model_validate({**dict(result.stats), **extra})
-        return ServiceResult(messages=result.messages, summary=result.summary, stats=stats)
+        return ServiceResult(
+            messages=result.messages,
+            summary=result.summary,
+            kept_head=result.kept_head,
+            replaces_through=result.replaces_through,
+            stats=stats,
+        )

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from fastapi import FastAPI
+from ray.llm._internal.serve.core.configs.openai_api_models import ChatCompletionRequest as ChatRequest
 from ray.llm._internal.serve.core.configs.openai_api_models import to_model_metadata
 from ray.llm._internal.serve.core.ingress.ingress import DEFAULT_ENDPOINTS
 from ray.llm._internal.serve.core.ingress.ingress import init as init_openai_app
@@ -23,6 +24,7 @@ from ray.serve.request_router import PendingRequest, RunningReplica
 from serving.routing import RouteKey, order_replicas
 
 OPENAI_ROUTES = ("models", "model_data", "completions", "chat")
+__all__ = ["ROUTER_CLASS", "ChatRequest", "SessionRouter", "model_card", "openai_app", "openai_routes", "router_kwargs"]
 ROUTER_CLASS = "serving.ray_adapter:SessionRouter"
 
 

@@ -1,0 +1,178 @@
+"""Server-side compaction on `POST /v1/chat/completions`: the ingress side of `context_management`.
+
+An agent adds `context_management: [{"type": "compaction", "compact_threshold": N, ...}]` (with the
+`openai` client: `extra_body=`) and `x-session-id: S`. Per turn the ingress
+  1. validates the entry (422 naming `context_management[0].<field>`),
+  2. counts the rendered prompt (reusing the count of what the session sent before),
+  3. below every threshold: forwards the turn unchanged (no coordinator call);
+     otherwise asks the coordinator (`serving.sessions`) what to do, on the session's coordinator replica,
+  4. forwards `compaction.messages + messages[replaces_through:]` to the model, on the session's replica,
+  5. returns the model's answer with a top-level `compaction` object (on the last chunk when streaming).
+A request without `context_management` is passed to ray.serve.llm untouched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import OrderedDict
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any
+
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from compaction.errors import InvalidInput
+from compaction.history import ChatTokenizer, Message, parse_messages, template_view
+from compaction.policy import ContextManagement, check_window, parse_context_management
+from serving.sessions import ChatTurn, TurnCompaction
+
+FIELD = "context_management"
+DEFAULT_REPLY_TOKENS = 256  # reply budget assumed when the request sets none (window check only)
+
+
+class PromptCounter:
+    """Tokens of a chat request's rendered prompt, reusing the count of the part a session already sent.
+
+    An agent's rendered history only grows at its end, and a tokenizer splits text at special tokens
+    before anything else, so the tokens of the text up to the last special token of the previous
+    turn are a fixed count: only what follows is tokenised again (an 8k-token history costs ~30 ms
+    to tokenise whole on a CPU core, about what a whole SmolLM2 decode step costs).
+    """
+
+    def __init__(self, tokenizer: ChatTokenizer, specials: Sequence[str], max_sessions: int = 8192) -> None:
+        self.tokenizer = tokenizer
+        self.specials = tuple(s for s in specials if s)
+        self.max_sessions = max_sessions
+        self._known: OrderedDict[str, tuple[int, str, int]] = OrderedDict()  # session -> (chars, digest, tokens)
+
+    def count(self, messages: Sequence[Message], session: str | None) -> int:
+        views = [template_view(m) for m in messages]
+        history = self.tokenizer.render(views)
+        full = self.tokenizer.render(views, add_generation_prompt=True)
+        if not full.startswith(history):
+            return len(self.tokenizer.encode(full))
+        cut = max((history.rfind(s) + len(s) for s in self.specials if s in history), default=0)
+        done, head = 0, 0
+        known = self._known.get(session) if session else None
+        if known is not None and known[0] <= cut and _digest(history[: known[0]]) == known[1]:
+            done, head = known[0], known[2]
+        head += len(self.tokenizer.encode(history[done:cut])) if cut > done else 0
+        if session:
+            self._known[session] = (cut, _digest(history[:cut]), head)
+            self._known.move_to_end(session)
+            while len(self._known) > self.max_sessions:
+                self._known.popitem(last=False)
+        return head + len(self.tokenizer.encode(full[cut:]))
+
+
+def _digest(text: str) -> str:
+    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+
+
+def reply_budget(body: dict[str, Any]) -> int:
+    for key in ("max_completion_tokens", "max_tokens"):
+        value = body.get(key)
+        if isinstance(value, int) and value > 0:
+            return value
+    return DEFAULT_REPLY_TOKENS
+
+
+def needs_coordinator(tokens: int, entry: ContextManagement, session: str | None) -> bool:
+    """False when no decision can come of asking: below the hard threshold and below (or without) the soft one."""
+    if tokens > entry.compact_threshold:
+        return True
+    return session is not None and entry.background_threshold is not None and tokens > entry.background_threshold
+
+
+CoordinatorCall = Callable[[ChatTurn], Awaitable[TurnCompaction]]
+
+
+async def prepare_turn(
+    body: dict[str, Any],
+    session: str | None,
+    counter: PromptCounter,
+    window: int,
+    ask: CoordinatorCall,
+) -> tuple[dict[str, Any], TurnCompaction | None]:
+    """The request to forward to the model (context_management removed, maybe compacted) and the outcome."""
+    entry = parse_context_management(body.get(FIELD))
+    forward = {k: v for k, v in body.items() if k != FIELD}
+    if entry is None:
+        return forward, None
+    reply = reply_budget(body)
+    check_window(entry, window, reply)
+    raw = body.get("messages")
+    if not isinstance(raw, list) or not raw:
+        raise InvalidInput("messages", "send a non-empty list of chat messages")
+    messages = parse_messages(raw)
+    tokens = counter.count(messages, session)
+    if not needs_coordinator(tokens, entry, session):
+        return forward, TurnCompaction(status="none", prompt_tokens=tokens)
+    turn = ChatTurn(
+        model=str(body.get("model")),
+        messages=messages,
+        entry=entry,
+        session_id=session,
+        prompt_tokens=tokens,
+        room=window - reply,
+    )
+    outcome = await ask(turn)
+    if outcome.status == "applied" and outcome.messages is not None and outcome.replaces_through is not None:
+        head = [m.model_dump(mode="json", exclude_none=True) for m in outcome.messages]
+        forward["messages"] = head + raw[outcome.replaces_through :]
+    return forward, outcome
+
+
+def compaction_json(outcome: TurnCompaction) -> dict[str, Any]:
+    """The `compaction` object of the response: null fields of messages dropped, so they can be sent back as-is."""
+    data = outcome.model_dump(mode="json")
+    if outcome.messages is not None:
+        data["messages"] = [m.model_dump(mode="json", exclude_none=True) for m in outcome.messages]
+    return data
+
+
+def with_compaction(response: Response, outcome: TurnCompaction) -> Response:
+    """The model's response with `compaction` beside the chat-completion fields (on the last chunk if streaming)."""
+    extra = compaction_json(outcome)
+    if isinstance(response, StreamingResponse):
+        stream = _on_last_event(response.body_iterator, extra)
+        return StreamingResponse(stream, status_code=response.status_code, media_type=response.media_type)
+    if isinstance(response, JSONResponse) and response.status_code == 200:
+        payload = json.loads(bytes(response.body))
+        if isinstance(payload, dict):
+            return JSONResponse({**payload, "compaction": extra}, status_code=response.status_code)
+    return response
+
+
+async def _on_last_event(events: AsyncIterable[Any], extra: dict[str, Any]) -> AsyncIterator[str]:
+    """Server-sent events passed through, the last data event before `[DONE]` carrying `compaction`."""
+    held: str | None = None
+    pending = ""
+    async for packet in events:
+        pending += bytes(packet).decode() if isinstance(packet, bytes | bytearray | memoryview) else str(packet)
+        *complete, pending = pending.split("\n\n")
+        for event in (e for e in complete if e.strip()):
+            if event.strip() == "data: [DONE]":
+                if held is not None:
+                    yield _carrying(held, extra)
+                    held = None
+                yield event + "\n\n"
+                continue
+            if held is not None:
+                yield held + "\n\n"
+            held = event
+    if held is not None:
+        yield _carrying(held, extra)
+    if pending.strip():
+        yield pending
+
+
+def _carrying(event: str, extra: dict[str, Any]) -> str:
+    prefix = "data: "
+    try:
+        payload = json.loads(event.strip()[len(prefix) :]) if event.strip().startswith(prefix) else None
+    except json.JSONDecodeError:
+        payload = None
+    if not isinstance(payload, dict):
+        return f"{event}\n\n{prefix}{json.dumps({'compaction': extra})}\n\n"
+    return f"{prefix}{json.dumps({**payload, 'compaction': extra})}\n\n"

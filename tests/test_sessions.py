@@ -1,0 +1,165 @@
+"""Chat-side compaction on the coordinator (pure: real tokenizer, real coordinator, fake replicas)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from compaction.compactor import is_summary
+from compaction.errors import BackendError
+from compaction.history import parse_messages
+from compaction.policy import parse_context_management, prompt_tokens
+from compaction.tokenizer import HFChatTokenizer
+from serving.coordinator import CompactJob, ServiceResult
+from serving.sessions import ChatTurn, SessionCompactions
+from tests.test_coordinator import MODEL, FakeReplicas, coordinator
+
+SYSTEM = {"role": "system", "content": "You are a travel agent."}
+
+
+def conversation(first: int, last: int) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for i in range(first, last):
+        out.append({"role": "user", "content": f"Turn {i}: please book trip number {i} to city {i} on day {i}."})
+        out.append({"role": "assistant", "content": f"Booked trip {i}; confirmation code C{i:04d}."})
+    return out
+
+
+class Counting:
+    """The coordinator's compact entry, counting calls and optionally failing the next ones."""
+
+    def __init__(self, tokenizer: HFChatTokenizer, replicas: FakeReplicas) -> None:
+        self.coordinator = coordinator(tokenizer, replicas)
+        self.calls: list[CompactJob] = []
+        self.fail = 0
+
+    async def __call__(self, job: CompactJob) -> ServiceResult:
+        self.calls.append(job)
+        if self.fail:
+            self.fail -= 1
+            raise BackendError("replica died")
+        return await self.coordinator.compact(job)
+
+
+ENTRY = {"type": "compaction", "compact_threshold": 1200, "chunk_tokens": 256, "max_chunk_summary_tokens": 16}
+
+
+def turn(
+    tokenizer: HFChatTokenizer, messages: list[dict[str, Any]], session: str | None = "s1", **entry: Any
+) -> ChatTurn:
+    parsed = parse_messages(messages)
+    cm = parse_context_management([{**ENTRY, **entry}])
+    assert cm is not None
+    tokens = prompt_tokens(parsed, tokenizer)
+    return ChatTurn(model=MODEL, messages=parsed, entry=cm, session_id=session, prompt_tokens=tokens, room=8192 - 64)
+
+
+def prompt_after(outcome: Any, messages: list[dict[str, Any]]) -> list[Any]:
+    return [*outcome.messages, *parse_messages(messages)[outcome.replaces_through :]]
+
+
+async def test_below_the_threshold_nothing_happens(tokenizer: HFChatTokenizer) -> None:
+    compact = Counting(tokenizer, FakeReplicas())
+    outcome = await SessionCompactions(compact).turn(turn(tokenizer, [SYSTEM, *conversation(0, 5)]), tokenizer)
+    assert outcome.status == "none" and outcome.messages is None and not compact.calls
+
+
+async def test_past_the_threshold_a_blocking_compaction_keeps_the_current_turn(tokenizer: HFChatTokenizer) -> None:
+    compact = Counting(tokenizer, FakeReplicas())
+    messages = [SYSTEM, *conversation(0, 30), {"role": "user", "content": "Which trips are booked?"}]
+    request = turn(tokenizer, messages)
+    assert request.prompt_tokens > 1200
+    outcome = await SessionCompactions(compact).turn(request, tokenizer)
+    assert outcome.status == "applied" and outcome.source == "blocking" and len(compact.calls) == 1
+    assert outcome.messages is not None and outcome.messages[0].role == "system" and is_summary(outcome.messages[-1])
+    assert outcome.replaces_through is not None and outcome.replaces_through <= len(messages) - 1  # current turn kept
+    assert prompt_after(outcome, messages)[-1].content == "Which trips are booked?"
+    assert outcome.compacted_prompt_tokens is not None and outcome.compacted_prompt_tokens < 1200
+    assert outcome.stall_s > 0 and outcome.stats is not None and outcome.stats.chunks >= 1
+
+
+async def test_background_snapshot_is_applied_later_with_nothing_lost_or_summarised_twice(
+    tokenizer: HFChatTokenizer,
+) -> None:
+    compact = Counting(tokenizer, FakeReplicas())
+    sessions = SessionCompactions(compact)
+    snapshot = [SYSTEM, *conversation(0, 16)]
+    first = turn(tokenizer, snapshot, background_threshold=700)
+    assert 700 < first.prompt_tokens <= 1200
+    outcomes = await asyncio.gather(sessions.turn(first, tokenizer), sessions.turn(first, tokenizer))
+    assert [o.status for o in outcomes] == ["running", "running"] and len(compact.calls) == 1  # one snapshot, once
+    await asyncio.sleep(0.05)  # the background compaction finishes while the agent works
+    grown = [*snapshot, *conversation(16, 30)]
+    late = await sessions.turn(turn(tokenizer, grown, background_threshold=700), tokenizer)
+    assert late.status == "applied" and late.source == "background" and len(compact.calls) == 1
+    assert late.stall_s < 0.05 and late.replaces_through is not None
+    assert late.replaces_through <= len(snapshot)  # everything after the snapshot is kept verbatim...
+    kept = prompt_after(late, grown)
+    assert [m.content for m in kept[-28:]] == [m["content"] for m in grown[-28:]]  # ...nothing lost
+    assert sum(is_summary(m) for m in kept) == 1  # one summary, of the snapshot only
+    assert len(sessions) == 0  # applied: the client carries it now
+
+
+async def test_a_running_background_compaction_is_waited_for_not_restarted(tokenizer: HFChatTokenizer) -> None:
+    gate = asyncio.Event()
+    compact = Counting(tokenizer, FakeReplicas(gate=gate))
+    sessions = SessionCompactions(compact)
+    snapshot = [SYSTEM, *conversation(0, 16)]
+    assert (await sessions.turn(turn(tokenizer, snapshot, background_threshold=700), tokenizer)).status == "running"
+    over = asyncio.create_task(
+        sessions.turn(turn(tokenizer, [*snapshot, *conversation(16, 30)], background_threshold=700), tokenizer)
+    )
+    await asyncio.sleep(0.05)
+    assert not over.done()
+    gate.set()
+    outcome = await over
+    assert outcome.status == "applied" and outcome.source == "background" and len(compact.calls) == 1
+    assert outcome.stall_s >= 0.05
+
+
+async def test_a_failed_background_compaction_falls_back_to_blocking(tokenizer: HFChatTokenizer) -> None:
+    compact = Counting(tokenizer, FakeReplicas())
+    sessions = SessionCompactions(compact)
+    compact.fail = 1
+    snapshot = [SYSTEM, *conversation(0, 16)]
+    assert (await sessions.turn(turn(tokenizer, snapshot, background_threshold=700), tokenizer)).status == "running"
+    await asyncio.sleep(0.01)
+    outcome = await sessions.turn(
+        turn(tokenizer, [*snapshot, *conversation(16, 30)], background_threshold=700), tokenizer
+    )
+    assert outcome.status == "applied" and outcome.source == "blocking" and len(compact.calls) == 2
+    assert outcome.note is not None and "background compaction failed" in outcome.note
+
+
+async def test_an_edited_history_does_not_use_a_stale_snapshot(tokenizer: HFChatTokenizer) -> None:
+    compact = Counting(tokenizer, FakeReplicas())
+    sessions = SessionCompactions(compact)
+    snapshot = [SYSTEM, *conversation(0, 16)]
+    await sessions.turn(turn(tokenizer, snapshot, background_threshold=700), tokenizer)
+    edited = [SYSTEM, {"role": "user", "content": "Start over."}, *conversation(1, 30)]
+    outcome = await sessions.turn(turn(tokenizer, edited, background_threshold=700), tokenizer)
+    assert outcome.status == "applied" and outcome.source == "blocking" and len(compact.calls) == 2
+
+
+async def test_when_compaction_is_impossible_the_turn_is_served_as_sent_if_it_fits(tokenizer: HFChatTokenizer) -> None:
+    compact = Counting(tokenizer, FakeReplicas(dead=("a", "b")))
+    messages = [SYSTEM, *conversation(0, 30)]
+    outcome = await SessionCompactions(compact).turn(turn(tokenizer, messages), tokenizer)
+    assert outcome.status == "none" and outcome.note is not None and "died" in outcome.note
+    request = turn(tokenizer, messages).model_copy(update={"room": 1000})
+    with pytest.raises(BackendError):
+        await SessionCompactions(compact).turn(request, tokenizer)
+    current = [SYSTEM, {"role": "user", "content": "word " * 1500}]  # only the current turn: nothing to compact
+    outcome = await SessionCompactions(compact).turn(turn(tokenizer, current), tokenizer)
+    assert outcome.status == "none" and "nothing to compact" in (outcome.note or "")
+
+
+async def test_sessions_are_bounded(tokenizer: HFChatTokenizer) -> None:
+    compact = Counting(tokenizer, FakeReplicas())
+    sessions = SessionCompactions(compact, max_sessions=2)
+    snapshot = [SYSTEM, *conversation(0, 16)]
+    for s in ("s1", "s2", "s3"):
+        await sessions.turn(turn(tokenizer, snapshot, session=s, background_threshold=700), tokenizer)
+    assert len(sessions) == 2

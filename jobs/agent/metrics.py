@@ -16,9 +16,12 @@ from collections import Counter
 from collections.abc import Sequence
 from functools import cache
 from itertools import combinations
+from typing import Any
 
 from nltk.stem import PorterStemmer
 from rouge_score import rouge_scorer
+
+from jobs.data.episodes import Question
 
 _PUNCT = set(string.punctuation)
 _LETTERS = "ABCDEFGHIJ"
@@ -98,6 +101,15 @@ def mc_choice(prediction: str, choices: Sequence[str]) -> int | None:
     said = normalize_answer(text)
     hits = [i for i, c in enumerate(choices) if normalize_answer(c) and normalize_answer(c) in said]
     return hits[0] if len(hits) == 1 else None
+
+
+def score_answer(dataset: str, question: Question, prediction: str) -> dict[str, Any]:
+    """The dataset's metrics of one answer: MC accuracy, HotpotQA EM/F1, or LoCoMo F1."""
+    if dataset == "locomo_mc":
+        return {"mc_correct": mc_choice(prediction, question.choices) == question.correct_index}
+    if dataset == "hotpotqa":
+        return {"em": hotpot_em(prediction, question.gold), "f1": hotpot_f1(prediction, question.gold)}
+    return {"f1": locomo_f1(prediction, question.gold, int(question.category))}
 
 
 def coefficient_of_variation(values: Sequence[float]) -> float:

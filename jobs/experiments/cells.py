@@ -21,7 +21,7 @@ from compaction.history import Message, parse_messages
 from compaction.result import CompactionStats
 from compaction.tokenizer import HFChatTokenizer
 from jobs.agent.judge import Grade, Judge
-from jobs.agent.metrics import hotpot_em, hotpot_f1, locomo_f1, mc_choice
+from jobs.agent.metrics import score_answer
 from jobs.agent.pipeline import AgentPipeline, AgentSettings, AgentTokenizer, Episode, Turn, matched_options
 from jobs.data.conversations import locomo_messages, truncate_history
 from jobs.data.datasets import LocomoSample, load_hotpotqa, load_locomo, load_locomo_mc
@@ -135,14 +135,6 @@ def build_steps(cell: Cell, paths: dict[str, str]) -> list[Step]:
     return locomo_mc_steps(load_locomo_mc(path)[: cell.limit])
 
 
-def score(dataset: str, question: Question, prediction: str) -> dict[str, Any]:
-    if dataset == "locomo_mc":
-        return {"mc_correct": mc_choice(prediction, question.choices) == question.correct_index}
-    if dataset == "hotpotqa":
-        return {"em": hotpot_em(prediction, question.gold), "f1": hotpot_f1(prediction, question.gold)}
-    return {"f1": locomo_f1(prediction, question.gold, int(question.category))}
-
-
 def turn_row(turn: Turn) -> dict[str, Any]:
     row: dict[str, Any] = {
         "event": "turn",
@@ -214,7 +206,7 @@ async def agent_rows(
     asked = [(i, t.step, t.answer.text) for i, t in turns if isinstance(t.step, Question) and t.answer]
     for i, question, answer in asked:
         rows[i] |= {"task_id": question.task_id, "category": question.category, "question": question.question}
-        rows[i] |= {"gold": question.gold, **score(cell.dataset, question, answer)}
+        rows[i] |= {"gold": question.gold, **score_answer(cell.dataset, question, answer)}
     free_form = [(i, q, a) for i, q, a in asked if not q.choices]
     if judge is not None and free_form:
         grader = Judge(load_tokenizer(judge.tokenizer_path), judge.backend_factory())

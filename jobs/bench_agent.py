@@ -1,0 +1,185 @@
+"""The agent-loop benchmark: one agent through `/v1/chat/completions`, compaction done server-side, per mode.
+
+    python -m jobs.bench_agent [--dataset locomo|hotpotqa] [--limit 12] [--tau 4096] [--background 2560]
+                               [--modes none,blocking_sequential,blocking_parallel,background_parallel]
+                               [--url URL | --port 8000] [--out results/bench-agent]
+
+Starts the service (or uses a running one with --url) and plays the same stream of steps (a LoCoMo
+conversation's sessions with their questions, or HotpotQA paragraphs and questions: one document per
+turn, each question after its evidence) once per mode, side by side, each on emptied prefix caches
+when the service is ours (see `jobs.agent.chat_loop` for the modes). Prints per mode: end-to-end
+time, the agent-visible stall (total and worst), compactions, prefill computed vs cached (the
+agent's turns and the compactions), reused chunk summaries, answer F1; then the stall ratios.
+Writes `<out>/bench_agent.json` and `<out>/bench_agent.png` (prompt size per turn, stall per mode).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import sys
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from jobs.agent.chat_loop import MODES, ChatEpisode, LoopSettings, document_text, run_episode
+from jobs.agent.pipeline import SYSTEM_PROMPT, question_prompt
+from jobs.data.conversations import SHARED_DATA
+from jobs.data.datasets import load_hotpotqa, load_locomo
+from jobs.data.episodes import Question, Step, hotpotqa_steps, locomo_steps
+from jobs.demo import table
+
+MODEL = "smollm2-135m-instruct"
+
+
+def say(message: str) -> None:
+    print(f"[bench-agent] {message}", file=sys.stderr, flush=True)
+
+
+def load_steps(dataset: str, limit: int, data_dir: Path) -> list[Step]:
+    if dataset == "hotpotqa":
+        return hotpotqa_steps(load_hotpotqa(data_dir / "hotpotqa_dev_distractor_sample100.json")[:limit])
+    return locomo_steps(load_locomo(data_dir / "locomo10.json")[:1], sessions=limit, questions_per_session=1)
+
+
+def stream_tokens(steps: list[Step], tokenizer: Any, reply_tokens: int) -> int:
+    """Tokens of the whole stream as one uncompacted history (the `none` mode's last prompt)."""
+    messages = [{"role": "system", "content": SYSTEM_PROMPT}]
+    for step in steps:
+        text = question_prompt(step) if isinstance(step, Question) else document_text(step)
+        messages += [{"role": "user", "content": text}, {"role": "assistant", "content": "x " * reply_tokens}]
+    return len(tokenizer.encode(tokenizer.render(messages, add_generation_prompt=True)))
+
+
+def ratios(totals: dict[str, dict[str, Any]]) -> list[str]:
+    lines = []
+    background = totals.get("background_parallel")
+    for blocking in ("blocking_sequential", "blocking_parallel"):
+        if background and blocking in totals and totals[blocking]["stall_s"] > 0:
+            share = background["stall_s"] / totals[blocking]["stall_s"]
+            lines.append(f"background_parallel stall / {blocking} stall = {share:.3f}")
+    return lines
+
+
+def plot(episodes: list[ChatEpisode], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (sizes, stalls) = plt.subplots(1, 2, figsize=(12, 4.2), gridspec_kw={"width_ratios": [2.2, 1]})
+    for episode in episodes:
+        line = sizes.plot(
+            [t.index for t in episode.turns], [t.answered_tokens for t in episode.turns], label=episode.mode
+        )
+        applied = [t for t in episode.turns if t.status == "applied"]
+        sizes.scatter([t.index for t in applied], [t.answered_tokens for t in applied], color=line[0].get_color())
+    sizes.set(xlabel="agent turn", ylabel="prompt tokens answered", title="Prompt size per turn (dots: compacted)")
+    sizes.set_ylim(bottom=0)
+    sizes.legend(fontsize=8)
+    names = [e.mode.replace("_", "\n") for e in episodes]
+    stalls.bar(names, [e.stall_s for e in episodes], color="tab:red", label="waiting for compaction")
+    stalls.bar(
+        names,
+        [e.e2e_s - e.stall_s for e in episodes],
+        bottom=[e.stall_s for e in episodes],
+        color="tab:gray",
+        label="everything else",
+    )
+    stalls.set(ylabel="seconds", title="End-to-end time")
+    stalls.tick_params(axis="x", labelsize=8)
+    stalls.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run(args: argparse.Namespace) -> int:
+    from compaction.tokenizer import HFChatTokenizer
+    from serving.weights import fetch
+
+    tokenizer = HFChatTokenizer.from_path(fetch())
+    steps = load_steps(args.dataset, args.limit, args.data_dir)
+    settings = LoopSettings(args.tau, args.background, args.chunk_tokens, args.summary_tokens, args.answer_tokens)
+    whole = stream_tokens(steps, tokenizer, args.answer_tokens)
+    chunks_hint = max(1, math.ceil(0.75 * args.tau / args.chunk_tokens))
+    say(f"{len(steps)} steps from {args.dataset}; the whole stream is {whole} tokens; tau {args.tau}")
+    modes = [m for m in args.modes.split(",") if m]
+    if "none" in modes and whole + args.answer_tokens > args.window:
+        say(f"skipping mode none: the whole stream ({whole} tokens) does not fit the {args.window}-token window")
+        modes.remove("none")
+    episodes = with_service(args, lambda client, reset: play(client, reset, steps, modes, settings, chunks_hint, args))
+    totals = {e.mode: e.totals() for e in episodes}
+    print(table(list(totals.values()), list(next(iter(totals.values())))))
+    for line in ratios(totals):
+        print(line)
+    args.out.mkdir(parents=True, exist_ok=True)
+    record = {"settings": asdict(settings), "steps": len(steps), "stream_tokens": whole, "totals": totals}
+    record["turns"] = {e.mode: [asdict(t) for t in e.turns] for e in episodes}
+    (args.out / "bench_agent.json").write_text(json.dumps(record, indent=1, default=str))
+    plot(episodes, args.out / "bench_agent.png")
+    say(f"wrote {args.out / 'bench_agent.json'} and {args.out / 'bench_agent.png'}")
+    return 0
+
+
+def play(
+    client: Any, reset: Any, steps: list[Step], modes: list[str], settings: LoopSettings, hint: int, args: Any
+) -> list[ChatEpisode]:
+    episodes = []
+    for mode in modes:
+        reset()
+        say(f"mode {mode}: {len(steps)} turns")
+        episode = run_episode(client, MODEL, args.dataset, steps, mode, settings, hint)
+        say(
+            f"mode {mode}: {episode.e2e_s:.1f} s, stall {episode.stall_s:.2f} s, {len(episode.compactions)} compactions"
+        )
+        episodes.append(episode)
+    return episodes
+
+
+def with_service(args: argparse.Namespace, body: Any) -> list[ChatEpisode]:
+    """Run `body(openai_client, reset)` against --url, or a service started here (caches reset per mode)."""
+    from openai import OpenAI
+
+    if args.url:
+        client = OpenAI(base_url=f"{args.url}/v1", api_key="unused", max_retries=0, timeout=900)
+        return list(body(client, lambda: None))
+    from ray import serve
+
+    from serving.local import APP_NAME, LocalService
+
+    replicas = {MODEL: {"min": args.replicas, "max": args.replicas, "initial": args.replicas}}
+    with LocalService(args.port, {"replicas": replicas}) as service:
+        coordinator = serve.get_deployment_handle("Coordinator", app_name=APP_NAME)
+        client = OpenAI(base_url=f"{service.url}/v1", api_key="unused", max_retries=0, timeout=900)
+        return list(body(client, lambda: coordinator.reset_prefix_cache.remote(MODEL).result()))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dataset", choices=("locomo", "hotpotqa"), default="locomo")
+    parser.add_argument("--limit", type=int, default=12, help="LoCoMo sessions or HotpotQA examples")
+    parser.add_argument("--data-dir", type=Path, default=SHARED_DATA)
+    parser.add_argument("--tau", type=int, default=4096, help="compact_threshold of every compacting mode")
+    parser.add_argument("--background", type=int, default=2560, help="background_threshold of background_parallel")
+    parser.add_argument("--chunk-tokens", type=int, default=512)
+    parser.add_argument("--summary-tokens", type=int, default=32, help="per chunk; sequential gets the matched total")
+    parser.add_argument("--answer-tokens", type=int, default=24)
+    parser.add_argument("--window", type=int, default=8192, help="the model window (for mode none)")
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--url", default=None, help="a running service (its caches are not reset)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--replicas", type=int, default=1, choices=range(1, 9), metavar="1..8")
+    parser.add_argument("--out", type=Path, default=Path("results/bench-agent"))
+    args = parser.parse_args(argv)
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    unknown = set(args.modes.split(",")) - set(MODES) - {""}
+    if unknown:
+        parser.error(f"unknown modes {sorted(unknown)}; choose from {', '.join(MODES)}")
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

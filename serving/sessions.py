@@ -120,6 +120,9 @@ class SessionCompactions:
         session = turn.session_id or ""
         task = asyncio.create_task(self._compact(self._job(turn, turn.messages)), name=f"background-{session}")
         task.add_done_callback(_retrieve)
+        stale = self._sessions.get(session)
+        if stale is not None:  # a snapshot of a history the client no longer has
+            stale.task.cancel()
         self._sessions[session] = _Running(Snapshot.of(digests), task)
         self._sessions.move_to_end(session)
         while len(self._sessions) > self.max_sessions:

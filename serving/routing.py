@@ -225,6 +225,8 @@ def place(inp: PlacementInput, mode: PlacementMode, cost: CostModel) -> Placemen
             assumed_cached_tokens=cached, slots=slots, estimates=estimates,
         )  # fmt: skip
 
+    if n == 0:
+        return made("pinned", [], "no model prompts (extractive compaction)")
     if mode == "round_robin":
         return made("round_robin", [0] * n, "round robin requested: session affinity off")
     pin, spread = estimates["pinned"], estimates.get("spread")

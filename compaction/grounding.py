@@ -8,7 +8,8 @@ NSF"), and an agent acts on what its summary says, so an invented fact is worse 
 
 Extraction favours precision: a capitalised word that opens a sentence is not taken as a name
 (it is capitalised by position), single digits are too common to tell anything, and the check is
-case-insensitive with word boundaries ("42" is not found inside "C0042").
+case-insensitive with word boundaries ("42" is not found inside "C0042"). The price: an invented
+plain name that only ever opens a sentence ("Bob came too.") is not checked.
 """
 
 from __future__ import annotations

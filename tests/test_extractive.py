@@ -15,7 +15,8 @@ NOISE = [f"line {i} of the module body, nothing to see here" for i in range(30)]
 
 
 def coding_history() -> list[dict[str, Any]]:
-    call = {"id": "call_1", "type": "function", "function": {"name": "run", "arguments": json.dumps({"cmd": "make ci"})}}
+    function = {"name": "run", "arguments": json.dumps({"cmd": "make ci"})}
+    call = {"id": "call_1", "type": "function", "function": function}
     return [
         {"role": "system", "content": "You are a coding agent."},
         {"role": "user", "content": "Please fix the date parser.\nNever edit the migrations/ folder.\nthanks a lot"},
@@ -27,7 +28,10 @@ def coding_history() -> list[dict[str, Any]]:
             + "\n".join(NOISE)
             + "\nFAILED tests/test_dates.py::test_parse_iso - ValueError: month must be in 1..12",
         },
-        {"role": "assistant", "content": "ok\nThe root cause is an off-by-one month in src/dates.py, so I will fix it."},
+        {
+            "role": "assistant",
+            "content": "ok\nThe root cause is an off-by-one month in src/dates.py, so I will fix it.",
+        },
         {"role": "user", "content": "sounds good\n" + "\n".join(NOISE[:10])},
     ]
 

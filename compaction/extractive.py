@@ -17,24 +17,29 @@ from dataclasses import dataclass
 from compaction.grounding import salient_tokens
 from compaction.history import ChatTokenizer, RenderedHistory, template_view
 
-MAX_LINE_CHARS = 300
+MAX_LINE_CHARS = 300  # a longer line is cut at a word border (minified files, long logs)
+LONG_LINE_CHARS = 120  # a longer line of prose is taken sentence by sentence
 _CONSTRAINT = re.compile(
     r"\b(must|never|always|don't|do not|only|should|shouldn't|need to|needs to|required?|make sure|please|"
     r"avoid|without|keep|no longer)\b",
     re.IGNORECASE,
 )
+# Test and runtime failures, not code that merely names an exception (`raise ValueError(...)`).
 _ERROR = re.compile(
-    r"\b(error|exception|traceback|failed|failure|fails|assert(?:ion)?|panic|fatal|errno|denied|not found|"
-    r"segmentation fault)\b|\w+Error\b",
+    r"^(FAILED|ERROR|E {2,}|Traceback)|\b\w*(Error|Exception)\b:|\berror:|"
+    r"\b(failed|failure|fatal|panic|errno|denied|segmentation fault|not found)\b",
     re.IGNORECASE,
 )
 _DECISION = re.compile(
-    r"\b(decided?|decision|will|i'll|we'll|let's|plan|chose|choose|going to|root cause|because|instead|"
+    r"\b(decided?|decision|will|i'll|we'll|let's|plan|chose|choose|going to|found it|root cause|because|instead|"
     r"the fix|fix(?:ed)? by|switch(?:ed)? to)\b",
     re.IGNORECASE,
 )
 _TOOL_CALL = re.compile(r"^\[tool call\b")
+_CALL_TAG = re.compile(r"^\[tool (call|result)[^\]]*\]")
+_SENTENCE = re.compile(r"(?<=[.!?])\s+(?=[A-Z\[\"'(`])")
 _HAS_WORD = re.compile(r"\w")
+_FILE = re.compile(r"\w\.[a-z]{1,5}$")
 
 
 @dataclass(frozen=True)
@@ -79,23 +84,26 @@ def segments(history: RenderedHistory, tokenizer: ChatTokenizer, start: int, end
 
 
 def _score(segment: Segment, text: str, first_line: bool) -> float:
+    """Salience of one line: who says it, what kind of line it is, what it names."""
     salient = salient_tokens(text)
-    score = min(2.0, 0.5 * len(salient))
+    if not salient and len(text.split()) < 3:
+        return 0.0  # "ok", "thanks": nothing to keep
+    tool = segment.role == "tool"
+    call = _TOOL_CALL.match(text) is not None
+    score = min(1.0 if tool else 2.0, 0.5 * len(salient))
     if segment.role == "user":
-        score += 1.0 + (3.0 if _CONSTRAINT.search(text) else 0.0)
-    if segment.role == "assistant" and _DECISION.search(text):
-        score += 3.0
+        score += 2.0 + (4.0 if _CONSTRAINT.search(text) else 0.0)
+    elif segment.role == "assistant" and not call:
+        score += 3.0 + (3.0 if _DECISION.search(text) else 0.0)
     if _ERROR.search(text):
         score += 4.0
-    if any("/" in t or re.search(r"\w\.[a-z]{1,5}$", t) for t in salient):
+    if any("/" in t or _FILE.search(t) for t in salient):
         score += 2.0
     if any(t[0].isdigit() for t in salient):
         score += 1.0
-    if segment.role == "tool" and first_line:
+    if tool and first_line:
         score += 3.0
-    if _TOOL_CALL.match(text):
-        score += 2.0
-    return score
+    return score + (1.0 if call else 0.0)
 
 
 def _cut(text: str) -> str:
@@ -104,19 +112,28 @@ def _cut(text: str) -> str:
     return text[:MAX_LINE_CHARS].rsplit(" ", 1)[0] + " …"
 
 
+def _units(text: str) -> list[str]:
+    """The lines of a text; a long line of prose is taken sentence by sentence."""
+    out: list[str] = []
+    for line in text.splitlines():
+        line = line.strip()
+        out += _SENTENCE.split(line) if len(line) > LONG_LINE_CHARS else [line]
+    return out
+
+
 def candidate_lines(parts: Sequence[Segment]) -> list[Line]:
-    """Every distinct non-trivial line of the segments, scored."""
+    """Every distinct non-trivial line of the segments, scored (a repeated line counts once, call ids aside)."""
     seen: set[str] = set()
     lines: list[Line] = []
     for segment in parts:
         first = segment.opens_message
-        for raw in segment.text.splitlines():
-            text = raw.strip()
-            key = " ".join(text.lower().split())
+        for text in _units(segment.text):
+            key = " ".join(_CALL_TAG.sub("", text).lower().split())
             if not _HAS_WORD.search(text) or key in seen:
                 continue
             seen.add(key)
-            lines.append(Line(len(lines), segment.role, _cut(text), _score(segment, text, first)))
+            text = _cut(text)
+            lines.append(Line(len(lines), segment.role, text, _score(segment, text, first)))
             first = False
     return lines
 
@@ -125,17 +142,19 @@ def _render(lines: Sequence[Line]) -> str:
     return "\n".join(f"{line.label}: {line.text}" for line in sorted(lines, key=lambda x: x.position))
 
 
-def select(lines: Sequence[Line], tokenizer: ChatTokenizer, budget: int) -> str:
+def select(lines: Sequence[Line], tokenizer: ChatTokenizer, budget: int, chars_per_token: float) -> str:
     """The best lines that fit `budget` tokens, in their original order.
 
-    If not even the best line fits, its first `budget` tokens are kept, so a chunk never
-    vanishes without a trace.
+    Lines are costed by characters (`chars_per_token`, the chunk's own ratio), and the result is
+    then tokenised once and trimmed from its least salient line until it fits: one tokenizer call
+    per chunk instead of one per line. If not even the best line fits, its first `budget` tokens
+    are kept, so a chunk never vanishes without a trace.
     """
     ranked = sorted(lines, key=lambda line: (-line.score, line.position))
     kept: list[Line] = []
-    used = 0
+    used = 0.0
     for line in ranked:
-        cost = len(tokenizer.encode(f"{line.label}: {line.text}\n"))
+        cost = (len(line.label) + len(line.text) + 3) / chars_per_token
         if used + cost <= budget:
             kept.append(line)
             used += cost
@@ -149,4 +168,6 @@ def select(lines: Sequence[Line], tokenizer: ChatTokenizer, budget: int) -> str:
 
 def extract(history: RenderedHistory, tokenizer: ChatTokenizer, start: int, end: int, budget: int) -> str:
     """The extractive summary of history tokens [start, end) within `budget` tokens."""
-    return select(candidate_lines(segments(history, tokenizer, start, end)), tokenizer, budget)
+    parts = segments(history, tokenizer, start, end)
+    chars = sum(len(p.text) for p in parts)
+    return select(candidate_lines(parts), tokenizer, budget, max(1.0, chars / max(1, end - start)))

@@ -25,6 +25,8 @@ _RUN = r"[\w$@][\w.\-/:@$\\]*[\w]|\w"
 _CANDIDATES = re.compile(f"{_QUOTED}|({_URL})|({_FLAG})|({_RUN})")
 _NUMBER = re.compile(r"\d+(?:[.,:/-]\d+)*%?")
 _ORDINAL = re.compile(r"(\d+)(?:st|nd|rd|th)")
+_DOTTED = re.compile(r"\w\.\w")
+_CAMEL = re.compile(r"[a-z][A-Z]")
 _ABBREVIATIONS = frozenset({"e.g", "i.e", "etc", "a.m", "p.m", "vs", "u.s"})
 _SENTENCE_END = (".", "!", "?", ":", ";", "\n")
 _LEAD = " \t\"'“‘([*-•#>`"
@@ -47,7 +49,7 @@ class Grounding:
 
 
 def _sentence_initial(text: str, start: int) -> bool:
-    before = text[:start].rstrip(_LEAD)
+    before = text[max(0, start - 40) : start].rstrip(_LEAD)
     return not before or before.endswith(_SENTENCE_END)
 
 
@@ -66,9 +68,9 @@ def _classify(run: str, initial: bool) -> str | None:
         return lower  # identifiers: snake_case, handles, C0042, py311
     if "/" in run:
         return lower if ("." in run or run.count("/") >= 2 or run.startswith("/")) else None
-    if re.search(r"\w\.\w", run) or "::" in run:
+    if _DOTTED.search(run) or "::" in run:
         return lower  # dotted names and files: os.path.join, main.py
-    if re.search(r"[a-z][A-Z]", run):
+    if _CAMEL.search(run):
         return lower  # camelCase, GolfBridge
     if len(run) >= 2 and run.isupper():
         return lower  # acronyms, even at a sentence start

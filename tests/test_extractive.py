@@ -43,26 +43,28 @@ def rendered(tokenizer: HFChatTokenizer, messages: list[dict[str, Any]]):
 def test_keeps_the_salient_lines_in_order_verbatim_within_budget(tokenizer: HFChatTokenizer) -> None:
     history = rendered(tokenizer, coding_history())
     start, end = history.message_starts[1], len(history.token_ids)
-    text = extract(history, tokenizer, start, end, budget=115)
-    assert len(tokenizer.encode(text)) <= 115
-    lines = text.splitlines()
-    assert lines == [
+    text = extract(history, tokenizer, start, end, budget=80)
+    assert len(tokenizer.encode(text)) <= 80
+    assert text.splitlines() == [
         "user: Please fix the date parser.",
         "user: Never edit the migrations/ folder.",
-        'assistant: [tool call call_1] run({"cmd": "make ci"})',
-        "tool: [tool result call_1] collected 120 items",
         "tool: FAILED tests/test_dates.py::test_parse_iso - ValueError: month must be in 1..12",
         "assistant: The root cause is an off-by-one month in src/dates.py, so I will fix it.",
     ]
-    assert not any("nothing to see here" in line for line in lines)
+    wider = extract(history, tokenizer, start, end, budget=130).splitlines()
+    assert len(wider) > 4 and set(text.splitlines()) < set(wider)
+    assert 'assistant: [tool call call_1] run({"cmd": "make ci"})' in wider
+    assert not any("nothing to see here" in line or line == "assistant: ok" for line in wider)
 
 
 def test_a_smaller_budget_keeps_the_best_lines(tokenizer: HFChatTokenizer) -> None:
     history = rendered(tokenizer, coding_history())
     text = extract(history, tokenizer, history.message_starts[1], len(history.token_ids), budget=40)
     assert len(tokenizer.encode(text)) <= 40
-    assert "FAILED tests/test_dates.py::test_parse_iso" in text  # an error outranks everything
-    assert "thanks a lot" not in text
+    assert text.splitlines() == [
+        "user: Please fix the date parser.",
+        "assistant: The root cause is an off-by-one month in src/dates.py, so I will fix it.",
+    ]
 
 
 def test_a_border_inside_a_message_decodes_only_its_part(tokenizer: HFChatTokenizer) -> None:

@@ -31,7 +31,7 @@ from compaction.backend import Backend
 from compaction.errors import CompactionError, InvalidInput
 from jobs.data.conversations import SHARED_DATA
 from jobs.experiments.cells import ModelAccess, run_cell
-from jobs.experiments.grid import Cell, SweepConfig, expand, load_config
+from jobs.experiments.grid import GENERATED, Cell, SweepConfig, expand, load_config
 from jobs.experiments.results import ResultStore, integrity
 from serving.models import Catalogue, load_catalogue
 
@@ -204,7 +204,7 @@ def connect(address: str | None, num_cpus: int) -> bool:
 
 
 def check_data(cells: Sequence[Cell], paths: dict[str, str]) -> None:
-    needed = {c.dataset for c in cells}  # summary cells read LoCoMo: their dataset is locomo
+    needed = {c.dataset for c in cells} - GENERATED  # summary cells read LoCoMo: their dataset is locomo
     for dataset in sorted(needed):
         if not Path(paths[dataset]).exists():
             raise InvalidInput(

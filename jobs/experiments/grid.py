@@ -227,7 +227,7 @@ def expand(config: SweepConfig, catalogue: Catalogue) -> Expansion:
     dropped: list[tuple[Cell, str]] = []
     for e in config.experiments:
         sizes = e.taus if e.kind == "agent" else e.input_tokens
-        thresholds: list[float | None] = list(e.grounding_thresholds or [None])
+        thresholds: list[float | None] = [*e.grounding_thresholds] if e.grounding_thresholds else [None]
         axes = itertools.product(
             config.models, e.datasets, _shapes(e), sizes or [], e.variants, thresholds, range(e.repeats)
         )

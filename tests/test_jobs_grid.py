@@ -47,7 +47,11 @@ def test_cpu_smoke_covers_every_family() -> None:
     shapes = {(c.strategy, c.chunk_tokens) for c in cells if c.experiment == "chunking"}
     assert ("sequential", None) in shapes and len(shapes) >= 3
     assert all(c.fixed_output_tokens for c in cells if c.experiment == "chunking")
-    assert {c.dataset for c in cells} == {"locomo", "hotpotqa", "locomo_mc"}
+    assert {c.dataset for c in cells} == {"locomo", "hotpotqa", "locomo_mc", "coding"}
+    retention = [c for c in cells if c.experiment == "retention"]
+    assert {(c.dataset, c.strategy) for c in retention} == {
+        (d, s) for d in ("coding", "locomo") for s in ("parallel", "sequential", "extractive")
+    }
     assert all(c.judge_model == c.model for c in cells if c.kind == "agent")  # one CPU model: flagged in rows
 
 
@@ -79,6 +83,16 @@ BASE = {
         ({"experiments": [{**BASE["experiments"][0], "variants": ["short"]}]}, "experiments.0.variants.0"),
         ({"experiments": [BASE["experiments"][0]] * 2}, "experiment names repeat"),
         ({"backend": {"kind": "service"}}, "needs backend.base_url"),
+        ({"experiments": [{"name": "r", "kind": "retention", "datasets": ["coding"]}]}, "needs input_tokens"),
+        (
+            {"experiments": [{"name": "r", "kind": "retention", "datasets": ["hotpotqa"], "input_tokens": [9]}]},
+            "coding traces and LoCoMo",
+        ),
+        ({"experiments": [{**BASE["experiments"][0], "datasets": ["coding"]}]}, "coding traces are for retention"),
+        (
+            {"experiments": [{**BASE["experiments"][0], "grounding_thresholds": [1.5]}]},
+            "grounding_thresholds must lie in [0, 1]",
+        ),
     ],
 )
 def test_bad_configs_name_the_field(tmp_path: Path, change: dict, problem: str) -> None:
@@ -117,3 +131,46 @@ def test_scheduler_runs_blocks_in_order_with_their_concurrency() -> None:
         for cell in batch:
             scheduler.finish(cell)
     assert seen == [c.experiment for c in cells]  # config order, every cell once
+
+
+def test_retention_axes_and_which_cells_need_the_window() -> None:
+    block = {
+        "name": "ret",
+        "kind": "retention",
+        "datasets": ["coding"],
+        "strategies": ["sequential", "parallel", "extractive"],
+        "layouts": ["prefix_exact", "independent"],
+        "chunk_tokens": [1024],
+        "input_tokens": [4000, 20000],
+        "grounding_thresholds": [0.5, 0.9],
+    }
+    expansion = expand(SweepConfig.model_validate({**BASE, "experiments": [block]}), CATALOGUE)
+    kept = {(c.strategy, c.layout, c.input_tokens, c.grounding_threshold) for c in expansion.cells}
+    # 20k tokens exceed the 8k window only where the prompt carries the history before the chunk
+    assert {(s, layout, size) for s, layout, size, _ in kept} == {
+        ("sequential", "sequential", 4000),
+        ("parallel", "prefix_exact", 4000),
+        ("parallel", "independent", 4000),
+        ("parallel", "independent", 20000),
+        ("extractive", "extractive", 4000),
+        ("extractive", "extractive", 20000),
+    }
+    assert {t for *_, t in kept} == {0.5, 0.9}
+    assert {(c.strategy, c.layout) for c, _ in expansion.dropped} == {
+        ("sequential", "sequential"),
+        ("parallel", "prefix_exact"),
+    }
+    cell = next(c for c in expansion.cells if c.strategy == "extractive")
+    assert cell.cell_id.startswith("ret-coding-ext1024-in4000-default-r0-")
+    assert cell.compaction_options().strategy == "extractive"
+    assert cell.compaction_options().grounding_threshold == cell.grounding_threshold
+    assert cell.model_copy(update={"grounding_threshold": 0.1}).cell_id != cell.cell_id
+    unset = cell.model_copy(update={"grounding_threshold": None})
+    assert unset.compaction_options().grounding_threshold == 0.7  # the option's default
+
+
+def test_cells_without_a_threshold_keep_the_ids_they_had_before_it_existed() -> None:
+    cells = expand(load_config(CONFIGS / "cpu-smoke.yaml"), CATALOGUE).cells
+    ids = {c.cell_id for c in cells}  # finished results of earlier sweeps are still recognised
+    assert "output_length-locomo-seq-in512-concise-r0-bcefee9d53" in ids
+    assert "mc-locomo_mc-par128-tau256-default-r0-bec15a0c3c" in ids

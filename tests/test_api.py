@@ -53,6 +53,9 @@ def test_a_good_request_reaches_the_handler_with_its_options(client: TestClient)
     response = client.post("/v1/compact", json={**GOOD, "chunk_tokens": 64, "layout": "paper"})
     assert response.status_code == 200
     assert response.json()["chunk_tokens"] == 64 and response.json()["layout"] == "paper"
+    extractive = client.post("/v1/compact", json={**GOOD, "strategy": "extractive", "grounding_threshold": 0.4})
+    assert extractive.status_code == 200
+    assert extractive.json()["strategy"] == "extractive" and extractive.json()["grounding_threshold"] == 0.4
 
 
 @pytest.mark.parametrize(
@@ -89,6 +92,9 @@ def test_an_oversize_body_without_length_is_cut_off(client: TestClient) -> None:
         ({**GOOD, "chunk_tokens": -1}, "chunk_tokens"),
         ({**GOOD, "variant": "verbose"}, "variant"),
         ({**GOOD, "placement": "nearest"}, "placement"),
+        ({**GOOD, "strategy": "abstractive"}, "strategy"),
+        ({**GOOD, "grounding_threshold": 1.5}, "grounding_threshold"),
+        ({**GOOD, "grounding_threshold": "high"}, "grounding_threshold"),
         ({**GOOD, "unexpected": 1}, "unexpected"),
     ],
 )

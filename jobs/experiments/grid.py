@@ -184,7 +184,8 @@ class Cell(BaseModel):
             self.strategy, f"par{self.chunk_tokens}"
         )
         size = f"tau{self.tau}" if self.kind == "agent" else f"in{self.input_tokens}"
-        return f"{self.experiment}-{self.dataset}-{shape}-{size}-{self.variant}-r{self.repeat}-{digest}"
+        threshold = "" if self.grounding_threshold is None else f"-g{self.grounding_threshold:g}"
+        return f"{self.experiment}-{self.dataset}-{shape}-{size}-{self.variant}{threshold}-r{self.repeat}-{digest}"
 
     def compaction_options(self) -> CompactionOptions:
         parallel = self.strategy == "parallel"

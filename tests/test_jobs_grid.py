@@ -161,7 +161,7 @@ def test_retention_axes_and_which_cells_need_the_window() -> None:
         ("parallel", "prefix_exact"),
     }
     cell = next(c for c in expansion.cells if c.strategy == "extractive")
-    assert cell.cell_id.startswith("ret-coding-ext1024-in4000-default-r0-")
+    assert cell.cell_id.startswith(f"ret-coding-ext1024-in4000-default-g{cell.grounding_threshold:g}-r0-")
     assert cell.compaction_options().strategy == "extractive"
     assert cell.compaction_options().grounding_threshold == cell.grounding_threshold
     assert cell.model_copy(update={"grounding_threshold": 0.1}).cell_id != cell.cell_id

@@ -131,3 +131,21 @@ def test_report_show_prints_the_retention_tables(tmp_path: Path, capsys: pytest.
     assert main([str(tmp_path), "--show", "retention"]) == 0
     out = capsys.readouterr().out
     assert "Retention: recall of known facts" in out and f"| coding | {strategy} |" in out
+
+
+@needs_shared
+def test_the_in_process_runner_writes_cells_and_records_failures(tmp_path: Path) -> None:
+    from jobs.sweep import _run_in_order
+
+    good = ModelAccess(
+        MODEL, str(model_dir()), 8192, 16, functools.partial(FakeBackend, block_size=16, script=scripted), "fake"
+    )
+    broken = ModelAccess(MODEL, str(model_dir()), 8192, 16, functools.partial(FakeBackend, fail_on={0}), "fake")
+    todo = [c for c in cells() if c.dataset == "coding" and c.strategy != "sequential"]
+    store = ResultStore(tmp_path)
+    paths = DataPaths().resolve(SHARED_DATA)
+    progress = asyncio.run(_run_in_order(todo[:1], store, paths, {MODEL: broken}))
+    assert (progress.done, progress.failed) == (0, 1) and "BackendError" in next(store.errors.iterdir()).read_text()
+    progress = asyncio.run(_run_in_order(todo, store, paths, {MODEL: good}))
+    assert (progress.done, progress.failed) == (2, 0) and store.done() == {c.cell_id for c in todo}
+    assert not list(store.errors.iterdir())  # a cell written later clears its error note

@@ -87,6 +87,21 @@ class Progress:
         self.total, self.done, self.failed, self.rows = total, 0, 0, 0
         self.began = time.perf_counter()
 
+    def record(self, store: ResultStore, cell: Cell, began: float, outcome: pa.Table | Exception) -> None:
+        """Write a finished cell (or note its failure, which the next run retries) and log a progress line."""
+        try:
+            if isinstance(outcome, Exception):
+                raise outcome
+            store.write(cell.cell_id, outcome)
+        except Exception as exc:
+            store.write_error(cell.cell_id, f"{type(exc).__name__}: {exc}")
+            self.failed += 1
+            say(self.line(cell, time.perf_counter() - began, f"FAILED ({str(exc).splitlines()[0][:200]})"))
+            return
+        self.done += 1
+        self.rows += outcome.num_rows
+        say(self.line(cell, time.perf_counter() - began, f"wrote {outcome.num_rows} rows"))
+
     def line(self, cell: Cell, seconds: float, outcome: str) -> str:
         elapsed = time.perf_counter() - self.began
         finished = self.done + self.failed
@@ -120,17 +135,12 @@ def run_cells(
         (ref,), _ = ray.wait(list(inflight), num_returns=1)
         cell, began = inflight.pop(ref)
         scheduler.finish(cell)
+        outcome: pa.Table | Exception
         try:
-            table: pa.Table = ray.get(ref)
-            store.write(cell.cell_id, table)
-        except Exception as exc:  # a failed cell is recorded and retried by the next run
-            store.write_error(cell.cell_id, f"{type(exc).__name__}: {exc}")
-            progress.failed += 1
-            say(progress.line(cell, time.perf_counter() - began, f"FAILED ({str(exc).splitlines()[0][:200]})"))
-            continue
-        progress.done += 1
-        progress.rows += table.num_rows
-        say(progress.line(cell, time.perf_counter() - began, f"wrote {table.num_rows} rows"))
+            outcome = ray.get(ref)
+        except Exception as exc:
+            outcome = exc
+        progress.record(store, cell, began, outcome)
         if stop_after is not None and progress.done >= stop_after:
             for pending in inflight:
                 ray.cancel(pending, force=True)
@@ -252,17 +262,12 @@ async def _run_in_order(
     for cell in cells:
         began = time.perf_counter()
         judge = accesses[cell.judge_model] if cell.judge_model else None
+        outcome: pa.Table | Exception
         try:
-            table = await run_cell(cell, paths, accesses[cell.model], judge, True)
-            store.write(cell.cell_id, table)
-        except Exception as exc:  # recorded; the next run retries it
-            store.write_error(cell.cell_id, f"{type(exc).__name__}: {exc}")
-            progress.failed += 1
-            say(progress.line(cell, time.perf_counter() - began, f"FAILED ({str(exc).splitlines()[0][:200]})"))
-            continue
-        progress.done += 1
-        progress.rows += table.num_rows
-        say(progress.line(cell, time.perf_counter() - began, f"wrote {table.num_rows} rows"))
+            outcome = await run_cell(cell, paths, accesses[cell.model], judge, True)
+        except Exception as exc:
+            outcome = exc
+        progress.record(store, cell, began, outcome)
     return progress
 
 

@@ -59,6 +59,12 @@ class ModelSpec(BaseModel):
         None, ge=1, description="Tokens a sliding-window layer keeps; needed when window_kv_bytes_per_token > 0."
     )
     kv_cache_dtype: Literal["auto", "fp8"] = Field("auto", description="GPU only: KV-cache dtype (auto = bf16).")
+    device_memory_gib: float | None = Field(
+        None,
+        gt=1,
+        le=1024,
+        description="GPU only, for sizing: memory CUDA reports per GPU (None: an H100 80GB, 79.1 GiB).",
+    )
     gpu_memory_utilization: float = Field(
         0.9, gt=0.1, le=0.98, description="GPU only: share of each GPU's memory vLLM may take (weights + KV + runtime)."
     )

@@ -52,6 +52,7 @@ class CompactionJob:
     output_tokens: Sequence[int]  # decode volume of each chunk
     assumed_cached_tokens: int  # history tokens the home replica holds (the agent's last turn)
     input_tokens: int  # tokens compacted
+    targets: Sequence[int] | None = None  # replica of each chunk when already decided (validation replays)
 
 
 @dataclass
@@ -84,6 +85,7 @@ class Cluster:
         *,
         cost: CostModel | None = None,
         admission: Admission = Admission(),
+        homes: dict[str, int] | None = None,
     ) -> None:
         self.env = env
         self.profile = profile
@@ -93,10 +95,13 @@ class Cluster:
         self.admission = admission
         self.slots = simpy.Resource(env, capacity=admission.max_running) if admission.max_running else None
         self.round_robin = 0
+        self.homes = homes or {}  # sessions whose home replica is known (validation replays)
         self.outcomes: list[CompactionOutcome] = []
         self.turns: list[Request] = []
 
     def home(self, session: str) -> int:
+        if session in self.homes:
+            return self.homes[session]
         return zlib.crc32(session.encode()) % len(self.replicas)
 
     def submit(
@@ -133,7 +138,7 @@ class Cluster:
             slot = self.slots.request()
             yield slot
         began = self.env.now
-        targets, kind = self._targets(job)
+        targets, kind = (list(job.targets), "given") if job.targets is not None else self._targets(job)
         requests = [
             self.submit(r, p.tokens, out, self._namespace(job, p), p.cached_prefix, kind="chunk")
             for r, p, out in zip(targets, job.prompts, job.output_tokens, strict=True)

@@ -56,16 +56,23 @@ def print_row(row: dict[str, Any]) -> None:
         print(f"  {key:<28} {value:,.3f}" if isinstance(value, float) else f"  {key:<28} {value:,}")
 
 
-def replicas_needed(base: SimConfig, target: float, candidates: list[int]) -> tuple[int | None, list[dict[str, Any]]]:
-    """The fewest replicas (of `candidates`) whose compaction share of agent time stays at or under `target`."""
+def replicas_needed(
+    base: SimConfig, target: float, max_turn_s: float, candidates: list[int]
+) -> tuple[int | None, list[dict[str, Any]]]:
+    """The fewest replicas (of `candidates`) that keep the agents' compaction share of their time at or under
+    `target` and their mean turn latency at or under `max_turn_s` (an overloaded fleet stalls in its turns)."""
     rows: list[dict[str, Any]] = []
     lo, hi, best = 0, len(candidates) - 1, None
     while lo <= hi:  # the share falls as replicas grow: bisect the candidates
         mid = (lo + hi) // 2
         row = simulate(base.model_copy(update={"replicas": candidates[mid]}))
         rows.append(row)
-        say(f"{candidates[mid]} replicas: compaction share {row['compaction_share']:.3f}, stall {row['stall_mean_s']:.1f} s")
-        if row["compaction_share"] <= target:
+        share, stall, turn = row["compaction_share"], row["stall_mean_s"], row["turn_latency_mean_s"]
+        say(
+            f"{candidates[mid]} replicas: compaction share {share:.3f}, stall {stall:.1f} s, turn {turn:.2f} s, "
+            f"{row['mean_batch']:.1f} requests in flight per replica"
+        )
+        if share <= target and turn <= max_turn_s:
             best, hi = candidates[mid], mid - 1
         else:
             lo = mid + 1
@@ -165,6 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.choices["run"].add_argument("--policies", nargs="*", help="run once per policy (default: the config's)")
     size = sub.choices["size"]
     size.add_argument("--target-stall-share", type=float, default=0.05, help="agent time waiting for compaction")
+    size.add_argument("--max-turn-s", type=float, default=3.0, help="mean agent turn latency it must keep")
     size.add_argument("--candidates", type=int, nargs="*", default=[1, 2, 4, 8, 16, 32, 64, 128, 256])
     grid = sub.add_parser("grid")
     grid.add_argument("--config", type=Path, required=True)
@@ -201,10 +209,11 @@ def dispatch(args: argparse.Namespace) -> int:
         return 0
     if args.command == "size":
         base = config_from(args)
-        best, _ = replicas_needed(base, args.target_stall_share, sorted(args.candidates))
+        best, _ = replicas_needed(base, args.target_stall_share, args.max_turn_s, sorted(args.candidates))
         answer = f"{best} replicas" if best else f"more than {max(args.candidates)} replicas"
         print(f"{base.sessions} sessions on {base.profile} ({base.mode}, {base.policy}): {answer} keep the "
-              f"compaction share of agent time at or under {args.target_stall_share:.0%}")  # fmt: skip
+              f"compaction share of agent time at or under {args.target_stall_share:.0%} and turns under "
+              f"{args.max_turn_s:g} s")  # fmt: skip
         return 0
     if args.command == "grid":
         grid = load_grid(args.config)

@@ -24,6 +24,9 @@ class Replicas(BaseModel):
     min: int = Field(1, ge=0, le=1024, description="Autoscaling lower bound.")
     max: int = Field(1, ge=1, le=1024, description="Autoscaling upper bound.")
     initial: int = Field(1, ge=0, le=1024, description="Replicas started with the application.")
+    target_ongoing_requests: float | None = Field(
+        None, gt=0, le=100_000, description="Serve autoscaling target: requests in flight per replica (None: Serve's)."
+    )
 
     @model_validator(mode="after")
     def _ordered(self) -> Replicas:
@@ -132,12 +135,15 @@ class ModelSpec(BaseModel):
         """This entry as a ray.serve.llm LLMConfig (validated by Ray's own model)."""
         from ray.serve.llm import LLMConfig
 
+        autoscaling: dict[str, Any] = {
+            "min_replicas": self.replicas.min,
+            "max_replicas": self.replicas.max,
+            "initial_replicas": self.replicas.initial,
+        }
+        if self.replicas.target_ongoing_requests is not None:
+            autoscaling["target_ongoing_requests"] = self.replicas.target_ongoing_requests
         deployment: dict[str, Any] = {
-            "autoscaling_config": {
-                "min_replicas": self.replicas.min,
-                "max_replicas": self.replicas.max,
-                "initial_replicas": self.replicas.initial,
-            },
+            "autoscaling_config": autoscaling,
             "ray_actor_options": {"num_cpus": self.replica_cpus},
         }
         if self.replica_resources:

@@ -55,7 +55,8 @@ class GpuFit:
     def row(self) -> str:
         return (
             f"{self.model:<27} {self.gpus} x {self.device_gib:4.1f} GiB, budget {self.budget_gib:5.1f} GiB"
-            f" = weights {self.weights_gib:5.1f} + reserve {self.reserve_gib:4.1f} + KV {self.kv_gib:5.1f} GiB -> {self.kv_tokens:>9,} tokens,"
+            f" = weights {self.weights_gib:5.1f} + reserve {self.reserve_gib:4.1f} + KV {self.kv_gib:5.1f} GiB"
+            f" -> {self.kv_tokens:>9,} tokens,"
             f" max_model_len {self.max_model_len:,} x{self.sequences:.2f} {'fits' if self.fits else 'DOES NOT FIT'}"
         )
 

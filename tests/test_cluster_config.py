@@ -14,7 +14,7 @@ import jsonschema
 import pytest
 import yaml
 
-from serving.models import ModelSpec, load_catalogue
+from serving.models import ModelSpec, Replicas, load_catalogue
 from serving.sizing import gpu_fit
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,7 +49,10 @@ def deployed(serve_yaml: Path) -> list[ModelSpec]:
     args = load(serve_yaml)["applications"][0]["args"]
     bounds = args.get("replicas") or {}
     specs = [CATALOGUE.get(name) for name in args["models"]]
-    return [s.model_copy(update={"replicas": bounds[s.name]}) if s.name in bounds else s for s in specs]
+    return [
+        s.model_copy(update={"replicas": Replicas.model_validate(bounds[s.name])}) if s.name in bounds else s
+        for s in specs
+    ]
 
 
 @pytest.fixture(scope="module", params=list(CLUSTERS))
@@ -183,7 +186,9 @@ def test_serve_config_passes_ray_serves_schema_and_deploys_the_paper_models(clou
     (app,) = config.applications
     assert app.import_path == "serving.app:build_app"
     assert set(app.args) <= BUILD_APP_ARGS
-    paper = PAPER_MODELS if cloud == "gcp" else PAPER_MODELS - {"llama-3.3-70b-instruct"} | {"llama-3.3-70b-instruct-nvl"}
+    paper = (
+        PAPER_MODELS if cloud == "gcp" else PAPER_MODELS - {"llama-3.3-70b-instruct"} | {"llama-3.3-70b-instruct-nvl"}
+    )
     assert set(app.args["models"]) == paper
     assert app.args["max_request_bytes"] > 0
 
@@ -258,3 +263,16 @@ def test_kuberay_groups_match_the_autoscaler_node_types(rayservice: dict[str, An
         assert (group["minReplicas"], group["maxReplicas"]) == (types[name]["min_workers"], types[name]["max_workers"])
         machine = group["template"]["spec"]["nodeSelector"]["node.kubernetes.io/instance-type"]
         assert machine == types[name]["node_config"]["machineType"], name
+
+
+@pytest.mark.parametrize("cloud", list(CLUSTERS))
+def test_the_serve_configs_simulated_bounds_and_targets_reach_the_llm_deployments(cloud: str) -> None:
+    from serving.app import hosted_specs, parse_args
+
+    args = parse_args(load(CLUSTERS[cloud][1])["applications"][0]["args"])
+    assert set(args.cost) == set(args.replicas) == set(args.models)
+    for spec in hosted_specs(args):
+        autoscaling = spec.llm_config().deployment_config["autoscaling_config"]
+        bounds = args.replicas[spec.name]
+        assert autoscaling["max_replicas"] == bounds.max >= 2
+        assert autoscaling["target_ongoing_requests"] == bounds.target_ongoing_requests

@@ -26,7 +26,12 @@ def test_paper_grid_parses_and_expands_to_the_papers_cell_count() -> None:
     # (a) 4 models x 7 sizes x 3 variants; (b) 4 x 3 variants x 5 repeats
     assert per_block["output_length"] == 84 and per_block["stability"] == 60
     assert {c.tau for c in expansion.cells if c.model == "gpt-oss-120b" and c.kind == "agent"} == {
-        16384, 32768, 49152, 65536, 81920, 98304
+        16384,
+        32768,
+        49152,
+        65536,
+        81920,
+        98304,
     }
     grid = [c for c in expansion.cells if c.experiment == "qa_grid"]
     assert {c.model for c in grid} == set(config.models) and len({c.cell_id for c in expansion.cells}) == 864

@@ -16,7 +16,7 @@ from compaction.options import LAYOUTS, CompactionOptions
 from compaction.tokenizer import HFChatTokenizer
 from jobs.data.conversations import locomo_messages, truncate_history
 from jobs.sim.cache import PrefixCache
-from jobs.sim.cluster import Admission, CompactionJob, Cluster
+from jobs.sim.cluster import Cluster, CompactionJob
 from jobs.sim.grid import SimGrid, load_grid, run_grid
 from jobs.sim.profiles import DecodePoint, EngineProfile, PrefillPoint, Source, load_profile, profile_names
 from jobs.sim.runner import simulate

@@ -103,7 +103,7 @@ async def calibrate(
         prefill=prefill,
         decode=decode,
         sources=[Source(figure=note, url=where) for note in notes],
-        **model_facts(model_path),  # type: ignore[arg-type]
+        **model_facts(model_path),
     )
 
 

@@ -87,7 +87,9 @@ class SimGrid(BaseModel):
 
 def cell_id(config: SimConfig) -> str:
     digest = hashlib.sha256(json.dumps(config.model_dump(), sort_keys=True).encode()).hexdigest()[:10]
-    return f"{config.profile}-r{config.replicas}-s{config.sessions}-{config.policy}-{config.mode}-t{config.tau}-{digest}"
+    return (
+        f"{config.profile}-r{config.replicas}-s{config.sessions}-{config.policy}-{config.mode}-t{config.tau}-{digest}"
+    )
 
 
 def load_grid(path: str | Path) -> SimGrid:

@@ -30,7 +30,7 @@ def simulate(config: SimConfig, profile: EngineProfile | None = None) -> dict[st
     began = time.perf_counter()
     profile = profile or load_profile(config.profile)
     rng = random.Random(config.seed)
-    stream = synthetic_stream(rng) if config.dataset == "synthetic" else dataset_stream(config.dataset)
+    stream = tuple(synthetic_stream(rng)) if config.dataset == "synthetic" else dataset_stream(config.dataset)
     env = simpy.Environment()
     admission = Admission(config.max_running_compactions, config.max_queued_compactions)
     cluster = Cluster(env, profile, config.replicas, config.policy, admission=admission)

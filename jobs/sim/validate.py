@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Awaitable, Callable, Generator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -24,7 +24,7 @@ import simpy
 from compaction.compactor import Compactor
 from compaction.history import ChatTokenizer, parse_messages
 from compaction.options import CompactionOptions
-from jobs.sim.cluster import CompactionJob, CompactionOutcome, Cluster
+from jobs.sim.cluster import Cluster, CompactionJob, CompactionOutcome
 from jobs.sim.profiles import EngineProfile
 from jobs.sim.shapes import PromptLengths, SegmentIds
 from serving.routing import PlacementMode
@@ -40,8 +40,10 @@ class Workload:
     base: list[dict[str, Any]]  # history before the agent's turns
     observations: list[str]  # the new user message of each turn
     answer_tokens: int = 16
-    options: CompactionOptions = CompactionOptions(
-        strategy="parallel", chunk_tokens=512, max_chunk_summary_tokens=32, fixed_output_tokens=True
+    options: CompactionOptions = field(
+        default_factory=lambda: CompactionOptions(
+            strategy="parallel", chunk_tokens=512, max_chunk_summary_tokens=32, fixed_output_tokens=True
+        )
     )
 
 
@@ -92,9 +94,9 @@ def home_indices(replicas: Sequence[str], home: str) -> list[int]:
     return [0 if r == home else 1 for r in replicas]
 
 
-def chunk_prompts(tokenizer: ChatTokenizer, messages: list[dict[str, Any]], workload: Workload, block: int) -> list[
-    PromptLengths
-]:
+def chunk_prompts(
+    tokenizer: ChatTokenizer, messages: list[dict[str, Any]], workload: Workload, block: int
+) -> list[PromptLengths]:
     """The coordinator's own plan of the compaction, as prompt lengths."""
     plan = Compactor(tokenizer, _NoBackend(), context_window=8192, block_size=block).plan(
         parse_messages(messages), workload.options
@@ -157,7 +159,7 @@ async def validate(
     """Every policy on the service, then in the simulator; pinned first, since its chunks name the home replica."""
     session = f"validate-{uuid.uuid4().hex[:8]}"
     home: str | None = None
-    rows = {}
+    rows: dict[str, tuple[Measured, Measured]] = {}
     for policy in POLICIES:
         real, stats, messages = await run_real(client, workload, policy, reset, session)
         home = home or stats["replicas"][-1]  # pinned: every chunk on home; spread: the last range on home

@@ -22,7 +22,7 @@ import simpy
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from compaction.options import CompactionOptions, Layout, Strategy
-from jobs.sim.cluster import CompactionJob, CompactionOutcome, Cluster
+from jobs.sim.cluster import Cluster, CompactionJob, CompactionOutcome
 from jobs.sim.shapes import ChunkTokens, prompt_lengths
 from serving.routing import PlacementMode
 

@@ -146,16 +146,20 @@ def validate_command(args: argparse.Namespace) -> int:
                 history = render_history(parse_messages(conversation), tokenizer).token_ids
                 backend = OpenAIBackend(service.url, MODEL, client=client)
                 kv = cpu_kv_tokens(spec.kv_cache_gib, path)
-                profile = await calibrate(
-                    backend, calibration_prompt(tokenizer, history, 1536), model_path=path,
-                    block_size=spec.block_size, kv_tokens=kv, where=service.url,
-                )  # fmt: skip
-                return profile, await validate(client, tokenizer, Workload(session.base, session.observations),
-                                               profile, reset)  # fmt: skip
 
-        profile, rows = asyncio.run(run())
-    print(profile.summary())
+                async def profile() -> Any:
+                    return await calibrate(
+                        backend, calibration_prompt(tokenizer, history, 1536), model_path=path,
+                        block_size=spec.block_size, kv_tokens=kv, where=service.url,
+                    )  # fmt: skip
+
+                workload = Workload(session.base, session.observations)
+                return await validate(client, tokenizer, workload, profile, reset)
+
+        rows = asyncio.run(run())
     print(table(rows))
+    for _, _, profile in rows.values():
+        print(profile.summary())
     return 0
 
 

@@ -40,23 +40,27 @@ def test_the_simulator_matches_the_real_service_per_policy(
     async def reset() -> None:
         await coordinator.reset_prefix_cache.remote(MODEL)
 
+    history = render_history(parse_messages(conversation), tokenizer).token_ids
+
     async def run() -> Any:
         async with httpx.AsyncClient(base_url=service.url, timeout=900) as client:
-            history = render_history(parse_messages(conversation), tokenizer).token_ids
-            profile = await calibrate(
-                OpenAIBackend(service.url, MODEL, client=client),
-                calibration_prompt(tokenizer, history, 1536),
-                model_path=model_path,
-                block_size=spec.block_size,
-                kv_tokens=cpu_kv_tokens(spec.kv_cache_gib, model_path),
-                where=service.url,
-            )
-            return profile, await validate(client, tokenizer, workload, profile, reset)
 
-    profile, rows = asyncio.run(run())
-    print(profile.summary())
+            async def profile() -> Any:
+                return await calibrate(
+                    OpenAIBackend(service.url, MODEL, client=client),
+                    calibration_prompt(tokenizer, history, 1536),
+                    model_path=model_path,
+                    block_size=spec.block_size,
+                    kv_tokens=cpu_kv_tokens(spec.kv_cache_gib, model_path),
+                    where=service.url,
+                )
+
+            return await validate(client, tokenizer, workload, profile, reset)
+
+    rows = asyncio.run(run())
     print(table(rows))
-    for policy, (real, sim) in rows.items():
+    for policy, (real, sim, profile) in rows.items():
+        print(profile.summary())
         assert abs(ratio(sim.compaction_computed_tokens, real.compaction_computed_tokens) - 1) <= 0.05, policy
         assert abs(ratio(sim.compaction_latency_s, real.compaction_latency_s) - 1) <= 0.25, policy
     assert rows["pinned"][0].compaction_computed_tokens < rows["round_robin"][0].compaction_computed_tokens

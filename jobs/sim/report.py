@@ -80,10 +80,11 @@ def plot_fleet(table: pd.DataFrame, path: Path) -> None:
         part = table[table.replicas == count]
         for (mode, policy), group in part.groupby(["mode", "policy"]):
             style = "-" if mode == "background" else "--"
-            ax.plot(group.sessions, 100 * group["stall share"], style, marker="o", label=f"{policy}, {mode}")
+            ax.plot(group.sessions, group["stall s/compaction"], style, marker="o", label=f"{policy}, {mode}")
         ax.set(xscale="log", xlabel="concurrent agent sessions", title=f"{count} replicas")
+        ax.set_yscale("symlog", linthresh=1)
         ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("agent time stalled on compaction (%)")
+    axes[0][0].set_ylabel("agent stall per compaction (s)")
     axes[0][-1].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

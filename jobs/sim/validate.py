@@ -153,14 +153,19 @@ async def validate(
     client: httpx.AsyncClient,
     tokenizer: ChatTokenizer,
     workload: Workload,
-    profile: EngineProfile,
+    calibrate: Callable[[], Awaitable[EngineProfile]],
     reset: Callable[[], Awaitable[None]],
-) -> dict[str, tuple[Measured, Measured]]:
-    """Every policy on the service, then in the simulator; pinned first, since its chunks name the home replica."""
+) -> dict[str, tuple[Measured, Measured, EngineProfile]]:
+    """Every policy on the service, then in the simulator; pinned first, since its chunks name the home replica.
+
+    The profile is calibrated right before each policy's run, so a machine whose speed drifts (a shared one)
+    is compared with its speed of the moment.
+    """
     session = f"validate-{uuid.uuid4().hex[:8]}"
     home: str | None = None
-    rows: dict[str, tuple[Measured, Measured]] = {}
+    rows: dict[str, tuple[Measured, Measured, EngineProfile]] = {}
     for policy in POLICIES:
+        profile = await calibrate()
         real, stats, messages = await run_real(client, workload, policy, reset, session)
         home = home or stats["replicas"][-1]  # pinned: every chunk on home; spread: the last range on home
         targets = home_indices(stats["replicas"], home)
@@ -168,7 +173,7 @@ async def validate(
         outputs = [c["output_tokens"] for c in stats["per_chunk"]]
         sim = run_sim(profile, real.turn_prompt_tokens, workload.answer_tokens, prompts, max(outputs), targets)
         rows[policy] = (Measured(real.turn_prompt_tokens, real.turn_computed_tokens, real.compaction_computed_tokens,
-                                 real.compaction_latency_s, targets), sim)  # fmt: skip
+                                 real.compaction_latency_s, targets), sim, profile)  # fmt: skip
     return rows
 
 
@@ -176,19 +181,20 @@ def ratio(simulated: float, measured: float) -> float:
     return simulated / measured if measured else float("inf")
 
 
-def table(rows: dict[str, tuple[Measured, Measured]]) -> str:
+def table(rows: dict[str, tuple[Measured, Measured, EngineProfile]]) -> str:
     """Markdown: per policy, computed prefill and compaction latency, measured vs simulated."""
     lines = [
         "| policy | compaction prefill computed: real / sim | ratio | compaction latency: real / sim | ratio "
-        "| agent turns computed: real / sim |",
-        "|---|---|---|---|---|---|",
+        "| agent turns computed: real / sim | calibrated prefill |",
+        "|---|---|---|---|---|---|---|",
     ]
-    for policy, (real, sim) in rows.items():
+    for policy, (real, sim, profile) in rows.items():
         lines.append(
             f"| {policy} | {real.compaction_computed_tokens:,} / {sim.compaction_computed_tokens:,} | "
             f"{ratio(sim.compaction_computed_tokens, real.compaction_computed_tokens):.3f} | "
             f"{real.compaction_latency_s:.2f} s / {sim.compaction_latency_s:.2f} s | "
             f"{ratio(sim.compaction_latency_s, real.compaction_latency_s):.3f} | "
-            f"{sum(real.turn_computed_tokens):,} / {sum(sim.turn_computed_tokens):,} |"
+            f"{sum(real.turn_computed_tokens):,} / {sum(sim.turn_computed_tokens):,} | "
+            f"{profile.prefill_tokens_per_s:.0f} tok/s |"
         )
     return "\n".join(lines)

@@ -24,6 +24,9 @@ class Replicas(BaseModel):
     min: int = Field(1, ge=0, le=1024, description="Autoscaling lower bound.")
     max: int = Field(1, ge=1, le=1024, description="Autoscaling upper bound.")
     initial: int = Field(1, ge=0, le=1024, description="Replicas started with the application.")
+    target_ongoing_requests: float | None = Field(
+        None, gt=0, le=100_000, description="Serve autoscaling target: requests in flight per replica (None: Serve's)."
+    )
 
     @model_validator(mode="after")
     def _ordered(self) -> Replicas:
@@ -59,6 +62,12 @@ class ModelSpec(BaseModel):
         None, ge=1, description="Tokens a sliding-window layer keeps; needed when window_kv_bytes_per_token > 0."
     )
     kv_cache_dtype: Literal["auto", "fp8"] = Field("auto", description="GPU only: KV-cache dtype (auto = bf16).")
+    device_memory_gib: float | None = Field(
+        None,
+        gt=1,
+        le=1024,
+        description="GPU only, for sizing: memory CUDA reports per GPU (None: an H100 80GB, 79.1 GiB).",
+    )
     gpu_memory_utilization: float = Field(
         0.9, gt=0.1, le=0.98, description="GPU only: share of each GPU's memory vLLM may take (weights + KV + runtime)."
     )
@@ -126,12 +135,15 @@ class ModelSpec(BaseModel):
         """This entry as a ray.serve.llm LLMConfig (validated by Ray's own model)."""
         from ray.serve.llm import LLMConfig
 
+        autoscaling: dict[str, Any] = {
+            "min_replicas": self.replicas.min,
+            "max_replicas": self.replicas.max,
+            "initial_replicas": self.replicas.initial,
+        }
+        if self.replicas.target_ongoing_requests is not None:
+            autoscaling["target_ongoing_requests"] = self.replicas.target_ongoing_requests
         deployment: dict[str, Any] = {
-            "autoscaling_config": {
-                "min_replicas": self.replicas.min,
-                "max_replicas": self.replicas.max,
-                "initial_replicas": self.replicas.initial,
-            },
+            "autoscaling_config": autoscaling,
             "ray_actor_options": {"num_cpus": self.replica_cpus},
         }
         if self.replica_resources:

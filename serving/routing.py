@@ -113,7 +113,7 @@ class CostModel(BaseModel):
 class PromptShape:
     """What the cost model needs of one chunk prompt."""
 
-    token_ids: tuple[int, ...]  # the whole prompt
+    token_ids: Sequence[int]  # the whole prompt (a tuple; the simulator passes a cheaper sequence)
     history_prefix: int  # leading tokens identical to the session's rendered history
 
 
@@ -144,7 +144,7 @@ class Placement(BaseModel):
         return [RouteKey(self.session, slot).encode() for slot in self.slots]
 
 
-def common_prefix(a: tuple[int, ...], b: tuple[int, ...], known: int = 0) -> int:
+def common_prefix(a: Sequence[int], b: Sequence[int], known: int = 0) -> int:
     """Length of the common prefix of a and b, given that the first `known` tokens agree."""
     lo, hi = min(known, len(a), len(b)), min(len(a), len(b))
     while lo < hi:  # invariant: a[:lo] == b[:lo]

@@ -19,16 +19,22 @@ def test_paper_grid_parses_and_expands_to_the_papers_cell_count() -> None:
     config = load_config(CONFIGS / "paper.yaml")
     expansion = expand(config, CATALOGUE)
     per_block = Counter(c.experiment for c in expansion.cells)
-    # qa_grid: 4 models x 2 datasets x (sequential + 4 parallel chunk sizes) x 6 taus x 3 variants = 720,
-    # minus gpt-oss-120b's taus 80k/96k (its one-H100 window is 81,920): 2 x 5 x 2 x 3 = 60 dropped.
-    assert per_block["qa_grid"] == 4 * 2 * 5 * 6 * 3 - 60 == 660
-    dropped = Counter(c.experiment for c, _ in expansion.dropped)
-    assert dropped["qa_grid"] == 60
-    assert all(c.model == "gpt-oss-120b" for c, _ in expansion.dropped)
-    # (a) 4 models x 7 sizes x 3 variants, minus gpt-oss-120b's largest snapshot; (b) 4 x 3 variants x 5 repeats
-    assert per_block["output_length"] == 84 - 3 and per_block["stability"] == 60
+    # qa_grid: 4 models x 2 datasets x (sequential + 4 parallel chunk sizes) x 6 taus x 3 variants = 720, none dropped:
+    # every model serves 131,072 tokens (gpt-oss-120b on one H100 too), and tau 96k + summary + headroom needs 110,592.
+    assert per_block["qa_grid"] == 4 * 2 * 5 * 6 * 3 == 720
+    assert expansion.dropped == []
+    # (a) 4 models x 7 sizes x 3 variants; (b) 4 x 3 variants x 5 repeats
+    assert per_block["output_length"] == 84 and per_block["stability"] == 60
+    assert {c.tau for c in expansion.cells if c.model == "gpt-oss-120b" and c.kind == "agent"} == {
+        16384,
+        32768,
+        49152,
+        65536,
+        81920,
+        98304,
+    }
     grid = [c for c in expansion.cells if c.experiment == "qa_grid"]
-    assert {c.model for c in grid} == set(config.models) and len({c.cell_id for c in expansion.cells}) == 801
+    assert {c.model for c in grid} == set(config.models) and len({c.cell_id for c in expansion.cells}) == 864
     assert {(c.strategy, c.chunk_tokens) for c in grid} == {("sequential", None)} | {
         ("parallel", b) for b in (16384, 8192, 4096, 2048)
     }

@@ -136,8 +136,9 @@ def to_table(rows: Sequence[Mapping[str, Any]]) -> pa.Table:
 class ResultStore:
     """A folder of per-cell Parquet files (`cells/`) plus error notes (`errors/`) of failed cells."""
 
-    def __init__(self, root: str | Path) -> None:
+    def __init__(self, root: str | Path, schema: pa.Schema = SCHEMA) -> None:
         self.root = Path(root)
+        self.schema = schema  # every cell file has exactly this schema (the sweep's by default)
         self.cells = self.root / "cells"
         self.errors = self.root / "errors"
 
@@ -148,7 +149,7 @@ class ResultStore:
 
     def write(self, cell_id: str, table: pa.Table) -> Path:
         """Write one cell's rows atomically; a cell already written is never written twice."""
-        if table.schema != SCHEMA:
+        if table.schema != self.schema:
             raise ValueError("a cell's table must have exactly the results schema")
         self.cells.mkdir(parents=True, exist_ok=True)
         final = self.cells / f"{cell_id}.parquet"
@@ -168,8 +169,8 @@ class ResultStore:
 
     def read(self) -> pa.Table:
         if not self.done():
-            return SCHEMA.empty_table()
-        return ds.dataset(self.cells, format="parquet", schema=SCHEMA).to_table()
+            return self.schema.empty_table()
+        return ds.dataset(self.cells, format="parquet", schema=self.schema).to_table()
 
 
 def integrity(table: pa.Table) -> dict[str, int]:

@@ -146,7 +146,8 @@ class CoordinatorDeployment:
             max_running=args.max_concurrent_compactions,
             timeout_s=args.compaction_timeout_s,
         )
-        self._coordinator = Coordinator(runtimes, admission, RayMetrics())
+        name = serve.get_replica_context().replica_id.unique_id
+        self._coordinator = Coordinator(runtimes, admission, RayMetrics(), name)
 
     async def compact(self, job: CompactJob) -> ServiceResult | Failure:
         try:
@@ -210,9 +211,7 @@ def build_app(args: dict[str, Any]) -> Application:
             num_replicas=opts.coordinator_replicas,
             ray_actor_options=actor_options(),
             max_ongoing_requests=COORDINATOR_MAX_ONGOING,  # its own Gate queues and sheds, not Serve
-            request_router_config=RequestRouterConfig(
-                request_router_class=ROUTER_CLASS, request_router_kwargs=router_kwargs()
-            ),
+            request_router_config=routing,
         )
         .bind(llms, specs, opts)
     )

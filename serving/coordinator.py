@@ -77,6 +77,7 @@ class ServiceStats(CompactionStats):
     history_cached_tokens: int = Field(description="Of history_prompt_tokens, those vLLM served from its prefix cache.")
     history_cached_fraction: float = Field(description="history_cached_tokens / history_prompt_tokens.")
     queue_wait_s: float = Field(description="Time the compaction waited for admission; latency_s excludes it.")
+    coordinator: str | None = Field(None, description="The coordinator replica that ran it.")
     shared: bool = Field(
         False, description="True when this request joined an identical running compaction of the same session."
     )
@@ -169,9 +170,14 @@ class Coordinator:
     """Runs compactions for several models: shared identical runs, admission, deadlines, metrics."""
 
     def __init__(
-        self, models: Mapping[str, ModelRuntime], admission: AdmissionConfig | None = None, metrics: Sink | None = None
+        self,
+        models: Mapping[str, ModelRuntime],
+        admission: AdmissionConfig | None = None,
+        metrics: Sink | None = None,
+        name: str | None = None,
     ) -> None:
         self.models = dict(models)
+        self.name = name  # this coordinator replica, named in the stats
         self.admission = admission or AdmissionConfig()
         self.metrics = metrics
         self._shared: SharedRuns[ServiceResult] = SharedRuns()
@@ -236,7 +242,8 @@ class Coordinator:
         placement = place(shape, job.placement, runtime.cost)
         recorder = Recorder(compactor.backend)
         result = await compactor.run(plan, routes=placement.routes(), backend=recorder)
-        return self._result(plan, placement, result, recorder, job.session_id)
+        out = self._result(plan, placement, result, recorder, job.session_id)
+        return out.model_copy(update={"stats": out.stats.model_copy(update={"coordinator": self.name})})
 
     def _report(
         self, job: CompactJob, outcome: OutcomeKind, stats: ServiceStats | None = None, joined: bool = False

@@ -28,8 +28,8 @@ from compaction.options import CompactionOptions
 from compaction.tokenizer import HFChatTokenizer
 from serving.admission import GateState
 from serving.coordinator import AdmissionConfig, CompactJob, Coordinator, Failure, ModelRuntime
-from serving.metrics import Outcome
 from serving.dispatch import ReplicaBackend, ReplicaFailed
+from serving.metrics import Outcome
 from serving.routing import RouteKey, order_replicas
 from tests.fakes import FakeBackend
 
@@ -240,12 +240,12 @@ async def test_a_shared_run_is_cancelled_only_when_its_last_caller_leaves(tokeni
 async def test_a_compaction_past_its_deadline_is_cancelled_with_a_504_error(tokenizer: HFChatTokenizer) -> None:
     sink = Sink()
     coord = coordinator(tokenizer, FakeReplicas(gate=asyncio.Event()), sink)
-    with pytest.raises(DeadlineExceeded, match="timeout_s = 0.1 s") as err:
+    with pytest.raises(DeadlineExceeded, match=r"timeout_s = 0\.1 s") as err:
         await coord.compact(job(history(), timeout_s=0.1))
     assert err.value.timeout_s == 0.1
     assert coord.gate(MODEL).state().running == 0 and sink.outcomes[-1].outcome == "timeout"
     default = coordinator(tokenizer, FakeReplicas(gate=asyncio.Event()), timeout_s=0.05)
-    with pytest.raises(DeadlineExceeded, match="0.05"):
+    with pytest.raises(DeadlineExceeded, match=r"0\.05"):
         await default.compact(job(history()))
 
 

@@ -96,7 +96,11 @@ async def test_a_burst_queues_then_sheds_and_identical_requests_run_once(service
         )
         codes = [r.status_code for r in replies]
         print(f"burst of {burst}: {codes.count(200)} x 200, {codes.count(429)} x 429")
-        assert set(codes) <= {200, 429} and codes.count(429) >= burst - 2 * per_coordinator - 8 and codes.count(200) <= 2 * per_coordinator + 8
+        assert (
+            set(codes) <= {200, 429}
+            and codes.count(429) >= burst - 2 * per_coordinator - 8
+            and codes.count(200) <= 2 * per_coordinator + 8
+        )
         for refused in (r for r in replies if r.status_code == 429):
             assert int(refused.headers["retry-after"]) >= 1
             assert "max_queued_compactions" in refused.json()["error"]["message"]

@@ -46,7 +46,7 @@ sweep: model
 
 # The load benchmark: 1, 8, 32, 64 concurrent agent sessions against a local service; figures and a plot.
 load: model
-	$(BIN)/python jobs/load.py --json results/load.json --plot results/load.png
+	$(BIN)/python jobs/load.py --fleet 1,32 --json results/load.json --plot results/load.png
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

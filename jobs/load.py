@@ -1,11 +1,12 @@
 """Load benchmark: N concurrent agent sessions against the service (a Ray job, like jobs/sweep.py).
 
-    python jobs/load.py --sessions 1,8,32,64                       # starts a local service (two replicas)
-    python jobs/load.py --url http://127.0.0.1:8000 --compactions-only --sessions 1,32
+    python jobs/load.py --sessions 1,8,32,64 --fleet 1,32          # starts a local service (two replicas)
+    python jobs/load.py --url http://127.0.0.1:8000 --sessions '' --fleet 1,32
     ray job submit --working-dir . -- python jobs/load.py --url http://127.0.0.1:8000 --json $PWD/results/load.json
 
-Per level N, every session at once: its agent turns on /v1/chat/completions, then one compaction
-of its history (`--compactions-only`: just the compactions, all sent at the same moment). Printed
+Per level N of `--sessions`, every session at once: its agent turns on /v1/chat/completions, then
+one compaction of its history; per level of `--fleet`, just the compactions, all sent at the same
+moment (a fleet of agents compacting at once). Printed
 per level: compactions by status (429 = shed by admission), goodput (successful calls per second),
 client-side compaction latency p50/p95 with the queue wait and the compute time reported apart,
 agent-turn latency, cache-hit share (prompt tokens served from the prefix cache), and compaction
@@ -46,9 +47,15 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    fleet = [r for r in rows if r["mode"] == "fleet"]
+    rows = [r for r in rows if r["mode"] == "agent"] or fleet
     n = [r["sessions"] for r in rows]
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    left.plot(n, [r["compaction_throughput_tok_s"] for r in rows], marker="o")
+    left.plot(n, [r["compaction_throughput_tok_s"] for r in rows], marker="o", label="agent sessions")
+    if fleet and rows is not fleet:
+        fleet_n = [r["sessions"] for r in fleet]
+        left.plot(fleet_n, [r["compaction_throughput_tok_s"] for r in fleet], "s--", label="fleet (compactions only)")
+    left.legend()
     left.set(xlabel="concurrent sessions", ylabel="input tokens compacted / s", title="Compaction throughput")
     left.set_xscale("log", base=2)
     left.set_ylim(bottom=0)
@@ -74,10 +81,11 @@ def measure(url: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     samples = json.loads(Path(args.data).read_text())
     compaction = {"chunk_tokens": args.chunk_tokens, "max_chunk_summary_tokens": args.summary_tokens}
     rows = []
-    for level in args.sessions:
-        sessions = make_sessions(samples, tokenizer, level, args.history_tokens, 0 if args.compactions_only else 2)
-        say(f"{level} concurrent sessions")
-        row = asyncio.run(run_level(url, sessions, args.model, compaction))
+    levels = [("agent", n, 2) for n in args.sessions] + [("fleet", n, 0) for n in args.fleet]
+    for mode, level, turns in levels:
+        sessions = make_sessions(samples, tokenizer, level, args.history_tokens, turns)
+        say(f"{mode}: {level} concurrent sessions")
+        row = {"mode": mode, **asyncio.run(run_level(url, sessions, args.model, compaction))}
         rows.append(row)
         say(" ".join(f"{k}={row[k]}" for k in COLUMNS))
     return rows
@@ -86,8 +94,8 @@ def measure(url: str, args: argparse.Namespace) -> list[dict[str, Any]]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--url", help="a running service; default: start one locally (two replicas, defaults)")
-    parser.add_argument("--sessions", default="1,8,32,64", help="comma-separated concurrency levels")
-    parser.add_argument("--compactions-only", action="store_true", help="no agent turns; compactions at once")
+    parser.add_argument("--sessions", default="1,8,32,64", help="agent sessions at once, per level (comma-separated)")
+    parser.add_argument("--fleet", default="", help="compactions sent at the same moment, per level (comma-separated)")
     parser.add_argument("--history-tokens", type=int, default=1024, help="history size of each session")
     parser.add_argument("--chunk-tokens", type=int, default=256)
     parser.add_argument("--summary-tokens", type=int, default=32, help="output budget per chunk summary")
@@ -98,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plot", type=Path, help="write the figure (PNG) here")
     parser.add_argument("--verbose", action="store_true", help="show Ray's and vLLM's logs (or VERBOSE=1)")
     args = parser.parse_args(argv)
-    args.sessions = [int(n) for n in args.sessions.split(",")]
+    args.sessions = [int(n) for n in args.sessions.split(",") if n.strip()]
+    args.fleet = [int(n) for n in args.fleet.split(",") if n.strip()]
     if args.url:
         rows = measure(args.url, args)
     else:

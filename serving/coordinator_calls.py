@@ -10,6 +10,8 @@
   router drops it and the call is sent again (the session's ring walk goes on to a live replica).
   Compaction has no side effects, so a repeat is safe. `attempts` bounds the tries, with a short
   backoff while Serve notices the death.
+- Cancelled with the caller: when the caller is cancelled (client disconnect, deadline), the call
+  is cancelled on the coordinator explicitly, which cancels the compaction there.
 - Errors: a `Failure` the coordinator returned becomes its `CompactionError`; when no coordinator
   replica can take the call, `BackendError` (503 + Retry-After). Ray's exception text never reaches
   a response; it goes to the log.
@@ -43,9 +45,11 @@ async def call_coordinator(
     if session_id:
         target = target.options(session_id=session_id)
     for attempt in range(attempts):
+        response = target.remote(*args)
         try:
-            outcome = await target.remote(*args)
+            outcome = await response
         except (asyncio.CancelledError, RequestCancelledError, TaskCancelledError):
+            response.cancel()
             raise
         except RETRIABLE as exc:
             logger.warning("coordinator call %s failed (attempt %d of %d): %r", method, attempt + 1, attempts, exc)

@@ -2,7 +2,8 @@
 
 Every generated request runs for real (compactions on the CPU model), so each is kept cheap: output
 budgets are capped at a few tokens and no deadline is sent (a 504 the client asked for is not a
-server fault). `FUZZ_EXAMPLES` bounds the examples per operation; the count is printed.
+server fault). `FUZZ_EXAMPLES` bounds the examples per operation and mode (valid and invalid
+requests); the count is printed.
 """
 
 from __future__ import annotations
@@ -13,25 +14,18 @@ from typing import Any
 
 import pytest
 import schemathesis
-from hypothesis import HealthCheck, Phase, settings
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis.errors import Unsatisfiable
+from schemathesis import GenerationMode
 
 from serving.local import LocalService
 
 pytestmark = [pytest.mark.ray, pytest.mark.engine]
 
-FUZZ_EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "25"))
+FUZZ_EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "20"))
 OPERATIONS = r"^/(v1/compact|healthz|v1/models|v1/chat/completions|v1/completions)$"
 # Output-length fields of the operations, capped so a generated request costs a few decode steps.
 CAPS = {"max_chunk_summary_tokens": 8, "max_tokens": 4, "max_completion_tokens": 4, "n": 1, "best_of": 1}
-STATUSES: Counter[int] = Counter()
-
-
-@pytest.fixture(scope="module")
-def live_schema(service: LocalService) -> Any:
-    return schemathesis.openapi.from_url(f"{service.url}/openapi.json").include(path_regex=OPERATIONS)
-
-
-schema = schemathesis.pytest.from_fixture("live_schema")
 
 
 def cheapen(body: Any) -> None:
@@ -43,25 +37,41 @@ def cheapen(body: Any) -> None:
             body[field] = max(0, min(body[field], cap))
 
 
-@schema.parametrize()
-@settings(
-    max_examples=FUZZ_EXAMPLES,
-    deadline=None,
-    derandomize=True,
-    phases=[Phase.explicit, Phase.generate],
-    suppress_health_check=list(HealthCheck),
-)
-def test_generated_requests_never_get_a_5xx(case: Any, service: LocalService) -> None:
-    cheapen(case.body)
-    response = case.call(base_url=service.url, timeout=600)
-    STATUSES[response.status_code] += 1
-    assert response.status_code < 500, (case.method, case.path, response.status_code, response.text[:500])
-    if response.status_code >= 400:
-        error = response.json()["error"]
-        assert {"message", "type", "param", "code"} <= set(error) and error["message"], response.text[:500]
+def fuzz(url: str, examples: int) -> Counter[int]:
+    """Every operation of the live schema, positive and negative cases; status counts. Asserts per request."""
+    schema = schemathesis.openapi.from_url(f"{url}/openapi.json").include(path_regex=OPERATIONS)
+    statuses: Counter[int] = Counter()
+    for result in schema.get_all_operations():
+        operation = result.ok()
+        for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
+
+            @given(case=operation.as_strategy(generation_mode=mode))
+            @settings(
+                max_examples=examples,
+                deadline=None,
+                derandomize=True,
+                database=None,
+                phases=[Phase.explicit, Phase.generate],
+                suppress_health_check=list(HealthCheck),
+            )
+            def one(case: Any) -> None:
+                cheapen(case.body)
+                response = case.call(base_url=url, timeout=600)
+                statuses[response.status_code] += 1
+                where = (case.method, case.path, response.status_code, response.text[:300])
+                assert response.status_code < 500, where
+                if response.status_code >= 400:
+                    error = response.json()["error"]
+                    assert {"message", "type", "param", "code"} <= set(error) and error["message"], where
+
+            try:
+                one()
+            except Unsatisfiable:  # no invalid request exists for an operation without parameters or body
+                assert mode == GenerationMode.NEGATIVE
+    return statuses
 
 
-def test_fuzzing_report() -> None:
-    """Runs after the generated tests (file order): how many requests, and by status."""
-    print(f"schemathesis: {sum(STATUSES.values())} generated requests; statuses {dict(sorted(STATUSES.items()))}")
-    assert sum(STATUSES.values()) > 0 and not any(code >= 500 for code in STATUSES)
+def test_generated_requests_never_get_a_5xx(service: LocalService) -> None:
+    statuses = fuzz(service.url, FUZZ_EXAMPLES)
+    print(f"schemathesis: {sum(statuses.values())} generated requests; statuses {dict(sorted(statuses.items()))}")
+    assert sum(statuses.values()) > 0 and not any(code >= 500 for code in statuses)

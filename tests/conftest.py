@@ -93,11 +93,13 @@ def vllm_server(model_path: Path) -> Iterator[str]:
 def ray_cluster() -> Iterator[None]:
     """One local Ray cluster for all Ray tests: 4 logical CPUs (two model replicas and the rest fit).
 
-    Metrics are exported every second (Ray's floor; the default is 10 s), so tests read them promptly.
+    Metrics are exported every second (Ray's floor; the default is 10 s), so tests read them promptly:
+    set for every process of the cluster (the metrics agent reads it from the environment).
     """
     import ray
     from ray import serve
 
+    os.environ["RAY_metrics_report_interval_ms"] = "1000"  # noqa: SIM112 (Ray reads this exact name)
     root = Path(__file__).resolve().parents[1]
     ray.init(
         address="local",

@@ -11,6 +11,8 @@ bodies `{"error": {"message", "type", "param", "code"}}` naming the offending fi
     past the request's timeout_s (DeadlineExceeded)  504
     no replica or coordinator could finish it (BackendError, Serve back-pressure)  503 + Retry-After
     any other HTTP error FastAPI raises (e.g. a body nested too deeply to parse)  its status, same shape
+    an exception inside a model replica (ray.serve.llm's OpenAI endpoints): 400 when the model could
+    not read the messages (KeyError/ValueError/TypeError from its chat template), else 503; never Ray's text
 
 A body over the limit is read to its end (up to `DRAIN_LIMIT`) before the 413 goes out, so a
 client still sending it reads the answer instead of a connection reset.
@@ -20,12 +22,14 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import logging
 import os
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import ConfigDict, Field
+from ray.exceptions import RayTaskError
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 from ray.serve.llm.ingress import OpenAiIngress, make_fastapi_ingress
@@ -43,6 +47,7 @@ from serving.coordinator_calls import call_coordinator
 from serving.ray_adapter import openai_app, openai_routes
 from serving.routing import PlacementMode
 
+logger = logging.getLogger(__name__)
 SESSION_HEADER = "x-session-id"
 OPEN_PATHS = frozenset({"/healthz", "/docs", "/docs/oauth2-redirect", "/openapi.json", "/redoc"})
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
@@ -140,6 +145,20 @@ async def on_http_error(request: Request, exc: Exception) -> JSONResponse:
     response = error_response(exc.status_code, "invalid_request_error", message, param)
     response.headers.update(exc.headers or {})
     return response
+
+
+async def on_replica_error(request: Request, exc: Exception) -> JSONResponse:
+    """An exception raised inside a model replica, without Ray's internals in the answer."""
+    assert isinstance(exc, RayTaskError)
+    cause = exc.cause
+    if isinstance(cause, KeyError | ValueError | TypeError):
+        detail = f"{type(cause).__name__}: {str(cause)[:200]}"
+        message = f"messages: the model's chat template could not render them ({detail}); send OpenAI-style messages"
+        return error_response(400, "invalid_request_error", message, "messages")
+    logger.error("a model replica failed on %s: %r", request.url.path, exc)
+    return error_response(
+        503, "service_unavailable", "the model replica failed on this request; retry shortly", None, 5
+    )
 
 
 async def on_error(request: Request, exc: Exception) -> JSONResponse:
@@ -303,6 +322,7 @@ def make_ingress(max_request_bytes: int, api_key_env: str) -> type:
     )
     app.add_exception_handler(RequestValidationError, on_validation_error)
     app.add_exception_handler(HTTPException, on_http_error)
+    app.add_exception_handler(RayTaskError, on_replica_error)
     for kind, *_ in ERRORS:
         app.add_exception_handler(kind, on_error)
     app.add_middleware(BodyGuard, max_bytes=max_request_bytes)

@@ -20,6 +20,7 @@ from serving.api import (
     field_path,
     on_error,
     on_http_error,
+    on_replica_error,
     on_validation_error,
 )
 
@@ -192,3 +193,23 @@ def test_session_header_is_used_when_the_body_names_none() -> None:
     assert request.job("from-header").session_id == "from-header"
     assert CompactRequest.model_validate({**GOOD, "session_id": "body"}).job("header").session_id == "body"
     assert request.job(None).session_id is None
+
+
+@pytest.mark.parametrize(
+    ("cause", "status", "needle"), [(KeyError("role"), 400, "chat template"), (RuntimeError("CUDA"), 503, "retry")]
+)
+def test_errors_inside_a_model_replica_never_leak_rays_text(cause: Exception, status: int, needle: str) -> None:
+    from ray.exceptions import RayTaskError
+
+    api = app()
+    api.add_exception_handler(RayTaskError, on_replica_error)
+
+    @api.post("/v1/chat/completions")
+    async def chat() -> None:
+        raise RayTaskError(
+            "ServeReplica:LLMServer.handle_request", "Traceback: ray::internal", cause
+        ).as_instanceof_cause()
+
+    response = TestClient(api).post("/v1/chat/completions", json={})
+    assert response.status_code == status and needle in response.json()["error"]["message"]
+    assert "ray::" not in response.text and "Traceback" not in response.text

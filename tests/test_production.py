@@ -123,6 +123,25 @@ async def test_a_burst_queues_then_sheds_and_identical_requests_run_once(service
     ]
 
 
+def test_the_load_benchmark_drives_sessions_through_the_service(
+    service: LocalService, locomo: list[dict[str, Any]], tokenizer: Any, tmp_path: Any
+) -> None:
+    """jobs/load.py's library at a tiny level: two agent sessions (a turn, then a compaction), one figure."""
+    from jobs.load import plot
+    from jobs.traffic.load import make_sessions, run_level
+
+    sessions = make_sessions(locomo, tokenizer, 2, 384, 1)
+    assert len({s.history[0]["content"] for s in sessions}) == 2  # no shared prefix between sessions
+    compaction = {"chunk_tokens": 256, "max_chunk_summary_tokens": 8}
+    row = asyncio.run(run_level(service.url, sessions, MODEL, compaction))
+    print(row)
+    assert row["compactions"] == {"200": 2} and row["turns_ok"] == 2 and row["rejected_429"] == 0
+    assert row["input_tokens_compacted"] > 0 and row["compaction_throughput_tok_s"] > 0
+    assert 0 <= row["cache_hit_share"] <= 1 and row["compaction_p95_s"] >= row["compaction_p50_s"] > 0
+    plot([{"mode": "agent", **row}], tmp_path / "load.png")
+    assert (tmp_path / "load.png").stat().st_size > 0
+
+
 def long_compaction(tokens: int = 400, **extra: Any) -> dict[str, Any]:
     """A compaction that keeps both engines decoding for a while (forced output volume)."""
     text = " ".join(f"On day {i} the crew logged position {i * 7} and weather code {i % 5}." for i in range(60))

@@ -15,8 +15,14 @@ DEFAULT_CATALOGUE = Path(__file__).with_name("catalogue.yaml")
 CPU_DEFAULT_SOURCE = "cpu-default"
 # Engine arguments that are catalogue fields (sizing reads them), so engine_kwargs may not override them.
 FIELD_ENGINE_ARGS = frozenset(
-    {"max_model_len", "tensor_parallel_size", "quantization", "gpu_memory_utilization", "kv_cache_dtype", "block_size"}
-)
+    {
+        "max_model_len", "tensor_parallel_size", "quantization", "gpu_memory_utilization", "kv_cache_dtype",
+        "block_size", "max_num_seqs",
+    }
+)  # fmt: skip
+# vLLM's own max_num_seqs default for an OpenAI server: 128 on the CPU, 1024 on 70 GB+ GPUs (H100), 256 below.
+DEFAULT_MAX_NUM_SEQS = {"cpu": 128, "gpu_large": 1024, "gpu": 256}
+LARGE_GPUS = frozenset({"H100", "H200", "B200", "GB200"})
 
 
 class Replicas(BaseModel):
@@ -84,6 +90,13 @@ class ModelSpec(BaseModel):
         "replica to that node type (see cluster/).",
     )
     kv_cache_gib: int = Field(1, ge=1, le=512, description="CPU only: KV cache size (VLLM_CPU_KVCACHE_SPACE).")
+    max_num_seqs: int | None = Field(
+        None,
+        ge=1,
+        le=16_384,
+        description="Sequences one replica's engine batches (vLLM max_num_seqs); also what compaction admission "
+        "fills per replica. None: vLLM's default for the device (128 on CPU, 1024 on H100-class GPUs).",
+    )
     replicas: Replicas = Field(default_factory=Replicas)
     replica_cpus: float = Field(1.0, gt=0, le=64, description="Logical CPUs of the replica actor.")
     engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="Extra vLLM engine arguments.")
@@ -112,6 +125,14 @@ class ModelSpec(BaseModel):
             return str(model_dir())
         return self.source
 
+    def batch_sequences(self) -> int:
+        """Sequences one replica's engine runs at once (vLLM max_num_seqs, as vLLM would default it)."""
+        if self.max_num_seqs is not None:
+            return self.max_num_seqs
+        if self.device == "cpu":
+            return DEFAULT_MAX_NUM_SEQS["cpu"]
+        return DEFAULT_MAX_NUM_SEQS["gpu_large" if self.accelerator_type in LARGE_GPUS else "gpu"]
+
     def engine_args(self) -> dict[str, Any]:
         """vLLM engine arguments: prefix caching and chunked prefill on, prompt-cache details reported."""
         args: dict[str, Any] = {
@@ -129,6 +150,8 @@ class ModelSpec(BaseModel):
                 args["kv_cache_dtype"] = self.kv_cache_dtype
         if self.quantization:
             args["quantization"] = self.quantization
+        if self.max_num_seqs is not None:
+            args["max_num_seqs"] = self.max_num_seqs
         return args | self.engine_kwargs
 
     def llm_config(self) -> Any:

@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 PORT   ?= 8000
 
-.PHONY: install model run test lint bench serve sweep clean
+.PHONY: install model run test lint bench serve sweep load clean
 
 $(STAMP): pyproject.toml
 	@echo "[setup] creating $(VENV) and installing the project with the CPU engine (about 2 minutes, 4 GB)"
@@ -24,7 +24,7 @@ model: $(STAMP)
 
 # The service on http://127.0.0.1:$(PORT) until Ctrl-C.
 serve: model
-	$(BIN)/python -m serving.local --port $(PORT)
+	$(BIN)/python -m serving.local --port $(PORT) $(if $(METRICS_PORT),--metrics-port $(METRICS_PORT))
 
 # Starts the service, compacts the demo conversation over HTTP with both strategies, prints the table, stops.
 run: model
@@ -43,6 +43,10 @@ bench: model
 sweep: model
 	$(BIN)/python jobs/sweep.py --config jobs/configs/cpu-smoke.yaml --results results/cpu-smoke
 	$(BIN)/python jobs/report.py results/cpu-smoke
+
+# The load benchmark: 1, 8, 32, 64 concurrent agent sessions against a local service; figures and a plot.
+load: model
+	$(BIN)/python jobs/load.py --fleet 1,32 --json results/load.json --plot results/load.png
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,6 +1,7 @@
-"""The two strategies: plan (pure: render, partition, lay out) and run (dispatch, check, merge).
+"""The strategies: plan (pure: render, partition, lay out) and run (dispatch, check, merge).
 
-Sequential compaction is the same flow with one prompt over the whole span.
+Sequential compaction is the same flow with one prompt over the whole span; extractive
+compaction partitions like parallel but asks no model (each chunk's most salient lines).
 
 Incremental by construction: the summaries of earlier compactions at the head of a history are
 carried verbatim (`carry_summary_tokens`), not summarised again, and with a `ChunkCache` a chunk
@@ -15,9 +16,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from compaction.backend import Backend, Generation, GenerationRequest
+from compaction.backend import Backend, GenerationRequest
 from compaction.chunk_cache import ChunkCache, scope_of
 from compaction.errors import ContextOverflow, InvalidInput, NothingToCompact
+from compaction.extractive import extract, segments
+from compaction.grounding import Source
 from compaction.history import (
     ChatTokenizer,
     Message,
@@ -29,8 +32,8 @@ from compaction.history import (
 from compaction.layouts import ChunkPrompt, build_prompts, prefill_floor
 from compaction.options import CompactionOptions
 from compaction.partition import Chunk, partition
-from compaction.quality import collapse_repeats, judge
 from compaction.result import ChunkStats, CompactionResult, CompactionStats
+from compaction.settle import Attempt, Settled, settle, should_retry
 
 SUMMARY_HEADER = "Summary of the earlier conversation (compacted):"
 RETRY_REPETITION_PENALTY = 1.3
@@ -52,13 +55,10 @@ class CompactionPlan:
     carried_tokens: int  # tokens of the earlier summaries carried verbatim in the head
     scope: str  # the options that shape a chunk summary, as the chunk cache's key
     span: tuple[int, int]  # token range compacted
-    prompts: tuple[ChunkPrompt, ...]  # one per chunk, in chunk order
+    chunks: tuple[Chunk, ...]  # the span cut in chunk order (one chunk when sequential)
+    prompts: tuple[ChunkPrompt, ...]  # one per chunk, in chunk order; none when extractive
     strict_prompts: tuple[ChunkPrompt, ...]  # same bodies, stricter tails (retries)
     prefill_floor_tokens: int
-
-    @property
-    def chunks(self) -> tuple[Chunk, ...]:
-        return tuple(p.chunk for p in self.prompts)
 
 
 class Compactor:
@@ -91,25 +91,27 @@ class Compactor:
         starts = (*history.message_starts, len(history.token_ids))
         span = (starts[head], starts[tail_from])
         scope = scope_of(opts)
-        if opts.strategy == "parallel":
+        if opts.strategy == "sequential":
+            chunks: tuple[Chunk, ...] = (Chunk(0, *span),)
+        else:
             # Summaries summarised again (not carried) form chunks of their own: a second level.
             fixed = [starts[summaries]] if head < summaries else []
-            if self.cache is not None:
+            if self.cache is not None and opts.strategy == "parallel":
                 fixed += self.cache.borders(history.token_ids, *span, scope)
             chunks = partition(*span, opts.chunk_tokens, self.block_size, fixed)
-        else:
-            chunks = (Chunk(0, *span),)
         if opts.chunk_instructions and max(opts.chunk_instructions) >= len(chunks):
             raise InvalidInput(
                 "chunk_instructions",
                 f"names chunk {max(opts.chunk_instructions)} but there are {len(chunks)}",
             )
+        carried = starts[head] - starts[system]
+        if opts.strategy == "extractive":
+            return CompactionPlan(opts, history, head, tail_from, carried, scope, span, chunks, (), (), 0)
         prompts = build_prompts(history, self.tokenizer, opts, chunks, span[1])
         self._check_window(prompts, opts)
         strict = build_prompts(history, self.tokenizer, opts, chunks, span[1], strict=True)
         floor = prefill_floor(prompts, span[1], self.block_size)
-        carried = starts[head] - starts[system]
-        return CompactionPlan(opts, history, head, tail_from, carried, scope, span, prompts, strict, floor)
+        return CompactionPlan(opts, history, head, tail_from, carried, scope, span, chunks, prompts, strict, floor)
 
     @staticmethod
     def _kept_ends(history: RenderedHistory, opts: CompactionOptions) -> tuple[int, int, int, int]:
@@ -180,6 +182,9 @@ class Compactor:
         If any chunk fails for good, the error propagates and the other requests are cancelled.
         """
         began = time.perf_counter()
+        if plan.options.strategy == "extractive":
+            extracted = [self._extract(plan, chunk) for chunk in plan.chunks]
+            return self._merge(plan, extracted, time.perf_counter() - began)
         keys = list(routes) if routes is not None else [None] * len(plan.prompts)
         target = backend or self.backend
         reused = {k: hit for k in range(len(plan.prompts)) if (hit := self._cached(plan, k)) is not None}
@@ -217,52 +222,75 @@ class Compactor:
     ) -> tuple[ChunkStats, str]:
         opts = plan.options
         began = time.perf_counter()
-        attempts: list[Generation] = []
-        fixed = opts.fixed_output_tokens
-        for strict in (False, True):
-            prompt = (plan.strict_prompts if strict else plan.prompts)[k]
+        source = self._source(plan, k)
+        attempts: list[Attempt] = []
+        while not attempts or should_retry(attempts, opts):
+            strict = bool(attempts)
             request = GenerationRequest(
-                prompt_token_ids=prompt.token_ids,
+                prompt_token_ids=(plan.strict_prompts if strict else plan.prompts)[k].token_ids,
                 max_tokens=opts.max_chunk_summary_tokens,
-                min_tokens=opts.max_chunk_summary_tokens if fixed else 0,
+                min_tokens=opts.max_chunk_summary_tokens if opts.fixed_output_tokens else 0,
                 temperature=opts.temperature,
                 repetition_penalty=RETRY_REPETITION_PENALTY if strict else 1.0,
                 request_id=f"chunk-{k}-{'retry' if strict else 'first'}",
                 routing_key=route,
             )
-            attempts.append(await backend.generate(request))
-            verdict = judge(attempts[-1].text, attempts[-1].finish_reason)
-            if verdict == "ok" or fixed or not opts.retry_bad_summaries:
-                break
-        text, status = self._settle(plan, k, attempts, verdict)
-        last = attempts[-1]
-        stats = ChunkStats(
-            index=k,
-            start=plan.prompts[k].chunk.start,
-            end=plan.prompts[k].chunk.end,
-            prompt_tokens=sum(a.prompt_tokens for a in attempts),
-            cached_prompt_tokens=sum(a.cached_prompt_tokens for a in attempts),
-            computed_prefill_tokens=sum(a.computed_prefill_tokens for a in attempts),
-            output_tokens=sum(a.output_tokens for a in attempts),
-            summary_tokens=len(self.tokenizer.encode(text)),
-            latency_s=time.perf_counter() - began,
-            retries=len(attempts) - 1,
-            failovers=sum(a.failovers for a in attempts),
-            status=status,
-            replica=last.replica,
+            attempts.append(Attempt.of(await backend.generate(request), source))
+        chunk = plan.chunks[k]
+        kept = settle(
+            attempts,
+            opts,
+            source,
+            verbatim=lambda: self.tokenizer.decode(plan.history.token_ids[chunk.start : chunk.end]).strip(),
+            extractive=lambda: self._extractive_text(plan, chunk),
         )
-        return stats, text
+        return self._chunk_stats(plan, k, attempts, kept, time.perf_counter() - began), kept.text
 
-    def _settle(self, plan: CompactionPlan, k: int, attempts: list[Generation], verdict: str) -> tuple[str, Any]:
-        """The text kept for chunk k and its status: nothing empty or looping is spliced in silently."""
-        text = attempts[-1].text.strip()
-        if verdict == "ok" or plan.options.fixed_output_tokens:
-            return text, "ok" if len(attempts) == 1 else "retried"
-        if verdict == "runaway":
-            return collapse_repeats(text), "runaway_trimmed"
-        chunk = plan.prompts[k].chunk
-        raw = self.tokenizer.decode(plan.history.token_ids[chunk.start : chunk.end]).strip()
-        return raw, "kept_verbatim"
+    def _source(self, plan: CompactionPlan, k: int) -> Source:
+        """What chunk k's summary may state: the chunk, the history before it, and the prompt's instructions."""
+        before = segments(plan.history, self.tokenizer, 0, plan.chunks[k].end)
+        return Source(*(s.text for s in before), self.tokenizer.decode(plan.prompts[k].tail))
+
+    def _extractive_text(self, plan: CompactionPlan, chunk: Chunk) -> str:
+        budget = plan.options.max_chunk_summary_tokens
+        return extract(plan.history, self.tokenizer, chunk.start, chunk.end, budget)
+
+    def _extract(self, plan: CompactionPlan, chunk: Chunk) -> tuple[ChunkStats, str]:
+        """Strategy extractive: chunk's most salient lines, no model call."""
+        began = time.perf_counter()
+        text = self._extractive_text(plan, chunk)
+        source = Source(*(s.text for s in segments(plan.history, self.tokenizer, 0, chunk.end)))
+        kept = Settled(text, "extractive", 0, source.check(text))
+        return self._chunk_stats(plan, chunk.index, [], kept, time.perf_counter() - began), text
+
+    def _chunk_stats(
+        self, plan: CompactionPlan, k: int, attempts: list[Attempt], kept: Settled, latency: float
+    ) -> ChunkStats:
+        generations = [a.generation for a in attempts]
+        first = attempts[0] if attempts else None
+        return ChunkStats(
+            index=k,
+            start=plan.chunks[k].start,
+            end=plan.chunks[k].end,
+            prompt_tokens=sum(g.prompt_tokens for g in generations),
+            cached_prompt_tokens=sum(g.cached_prompt_tokens for g in generations),
+            computed_prefill_tokens=sum(g.computed_prefill_tokens for g in generations),
+            output_tokens=sum(g.output_tokens for g in generations),
+            summary_tokens=len(self.tokenizer.encode(kept.text)),
+            latency_s=latency,
+            retries=max(0, len(attempts) - 1),
+            failovers=sum(g.failovers for g in generations),
+            status=kept.status,
+            replica=generations[-1].replica if generations else None,
+            first_verdict=first.verdict if first else None,
+            first_grounding=round(first.grounding.score, 4) if first else None,
+            first_salient_tokens=len(first.grounding.salient) if first else 0,
+            first_ungrounded=list(first.grounding.ungrounded) if first else [],
+            grounding=round(kept.grounding.score, 4),
+            salient_tokens=len(kept.grounding.salient),
+            ungrounded=list(kept.grounding.ungrounded),
+            dropped_sentences=kept.dropped_sentences,
+        )
 
     def _merge(self, plan: CompactionPlan, per_chunk: list[tuple[ChunkStats, str]], latency: float) -> CompactionResult:
         stats = [s for s, _ in per_chunk]
@@ -281,7 +309,7 @@ class Compactor:
             replaces_through=plan.kept_tail_from,
             stats=CompactionStats(
                 strategy=opts.strategy,
-                layout=opts.layout if opts.strategy == "parallel" else "sequential",
+                layout=opts.layout if opts.strategy == "parallel" else opts.strategy,
                 variant=opts.variant,
                 history_tokens=len(plan.history.token_ids),
                 input_tokens=plan.span[1] - plan.span[0],
@@ -298,7 +326,14 @@ class Compactor:
                 failovers=sum(s.failovers for s in stats),
                 reused_chunks=sum(s.reused for s in stats),
                 carried_summary_tokens=plan.carried_tokens,
-                empty_or_runaway_chunks=[s.index for s in stats if s.status != "ok"],
+                empty_or_runaway_chunks=[s.index for s in stats if s.first_verdict not in (None, "ok")],
+                grounding_threshold=opts.grounding_threshold if opts.strategy != "extractive" else 0.0,
+                ungrounded_chunks=[
+                    s.index
+                    for s in stats
+                    if s.first_grounding is not None and s.first_grounding < opts.grounding_threshold
+                ],
+                extractive_fallback_chunks=[s.index for s in stats if s.status == "extractive_fallback"],
                 replicas=[s.replica for s in stats],
                 per_chunk=stats,
             ),

@@ -44,5 +44,13 @@ class Overloaded(BackendError):
         self.retry_after_s = retry_after_s
 
 
+class DeadlineExceeded(CompactionError):
+    """The request's deadline (`timeout_s`) passed; its work was cancelled. Retry with a longer deadline."""
+
+    def __init__(self, message: str, timeout_s: float) -> None:
+        super().__init__(message)
+        self.timeout_s = timeout_s
+
+
 class ModelNotAvailable(CompactionError):
     """Model weights are missing and cannot be obtained (for example: offline)."""

@@ -20,7 +20,11 @@ _VARIANTS: dict[Variant, str] = {
     ),
 }
 
-_STRICT = "Write plain sentences and never repeat a sentence."
+# The retry of an empty, runaway or ungrounded summary.
+_STRICT = (
+    "Write plain sentences and never repeat a sentence. Use only names, numbers, file paths, commands and "
+    "quotes that appear in the conversation above, copied exactly; add nothing that is not there."
+)
 
 
 def target_phrase(layout: Layout | None, index: int, opening: str) -> str:

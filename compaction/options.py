@@ -9,11 +9,15 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from compaction.errors import InvalidInput
 
-Strategy = Literal["parallel", "sequential"]
+Strategy = Literal["parallel", "sequential", "extractive"]
 Layout = Literal["prefix_exact", "prefix_exact_marked", "paper", "independent", "shared_full"]
 Variant = Literal["concise", "default", "detailed"]
 LAYOUTS: tuple[Layout, ...] = ("prefix_exact", "prefix_exact_marked", "paper", "independent", "shared_full")
 VARIANTS: tuple[Variant, ...] = ("concise", "default", "detailed")
+# Retry/fallback below 70 % grounded salient tokens, prune above. The retention benchmark's `thresholds`
+# block (jobs/configs/retention-cpu.yaml) measures recall, invention and fallbacks at 0, 0.7 and 0.9.
+GROUNDING_THRESHOLD = 0.7
+STRATEGIES: tuple[Strategy, ...] = ("parallel", "sequential", "extractive")
 
 
 class CompactionOptions(BaseModel):
@@ -22,10 +26,12 @@ class CompactionOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     strategy: Strategy = Field(
-        "parallel", description="parallel: one prompt per chunk, all at once; sequential: one prompt overall."
+        "parallel",
+        description="parallel: one prompt per chunk, all at once; sequential: one prompt overall; extractive: "
+        "no model, the most salient lines of each chunk kept verbatim within the budget.",
     )
     chunk_tokens: int = Field(
-        2048, ge=1, le=1_048_576, description="B, the chunk size in tokens (parallel); N = ceil(|X| / B)."
+        2048, ge=1, le=1_048_576, description="B, the chunk size in tokens (parallel, extractive); N = ceil(|X| / B)."
     )
     layout: Layout = Field(
         "prefix_exact",
@@ -42,6 +48,15 @@ class CompactionOptions(BaseModel):
         ge=1,
         le=32_768,
         description="Output budget per chunk summary (the whole summary when sequential).",
+    )
+    grounding_threshold: float = Field(
+        GROUNDING_THRESHOLD,
+        ge=0.0,
+        le=1.0,
+        description="Least share of a summary's salient tokens (numbers, identifiers, paths, quotes, names) that "
+        "must occur in its chunk or the history before it. Below it the summary is retried once with a stricter "
+        "tail, then replaced by the chunk's extractive summary; above it, sentences stating an invented token "
+        "are dropped. 0 turns the check off (scores are still reported).",
     )
     keep_recent_tokens: int = Field(
         0, ge=0, le=1_048_576, description="Newest whole messages up to this many tokens are kept verbatim."
@@ -64,7 +79,7 @@ class CompactionOptions(BaseModel):
     )
     temperature: float = Field(0.0, ge=0.0, le=2.0, description="Sampling temperature of the summaries.")
     retry_bad_summaries: bool = Field(
-        True, description="Retry an empty or runaway chunk summary once with a stricter tail."
+        True, description="Retry an empty, runaway or ungrounded chunk summary once with a stricter tail."
     )
     fixed_output_tokens: bool = Field(
         False,

@@ -7,8 +7,9 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from compaction.history import Message
+from compaction.quality import Verdict
 
-ChunkStatus = Literal["ok", "retried", "runaway_trimmed", "kept_verbatim"]
+ChunkStatus = Literal["ok", "retried", "runaway_trimmed", "kept_verbatim", "extractive_fallback", "extractive"]
 
 
 class ChunkStats(BaseModel):
@@ -27,8 +28,32 @@ class ChunkStats(BaseModel):
     retries: int = Field(description="Attempts repeated because the summary was empty or a runaway.")
     failovers: int = Field(description="Times a request moved to another replica after a failure.")
     status: ChunkStatus = Field(
-        description="ok; retried (the retry was good); runaway_trimmed (repeats collapsed); "
-        "kept_verbatim (no usable summary, the chunk text kept so nothing is lost)."
+        description="ok; retried (a second attempt was made and a model summary kept); runaway_trimmed "
+        "(repeats collapsed); kept_verbatim (no usable summary, the chunk text kept so nothing is lost); "
+        "extractive_fallback (the summary stayed ungrounded: the chunk's extractive summary instead); "
+        "extractive (strategy extractive)."
+    )
+    first_verdict: Verdict | None = Field(
+        default=None, description="The first summary: ok, empty or runaway. None when no model was asked."
+    )
+    first_grounding: float | None = Field(
+        default=None,
+        description="Share of the first summary's salient tokens found in the chunk or the history before it, "
+        "before any retry, pruning or fallback. None when no model was asked.",
+    )
+    first_salient_tokens: int = Field(default=0, description="Distinct salient tokens the first summary stated.")
+    first_ungrounded: list[str] = Field(
+        default_factory=list, description="Salient tokens of the first summary found nowhere in its source."
+    )
+    grounding: float = Field(
+        default=1.0, description="The same share for the text kept for this chunk (1.0 when it states none)."
+    )
+    salient_tokens: int = Field(default=0, description="Distinct salient tokens the kept text states.")
+    ungrounded: list[str] = Field(
+        default_factory=list, description="Salient tokens of the kept text found nowhere in its source."
+    )
+    dropped_sentences: int = Field(
+        default=0, description="Sentences of the kept summary dropped because they stated an invented token."
     )
     replica: str | None = Field(default=None, description="Replica that served the kept attempt.")
     reused: bool = Field(
@@ -63,6 +88,13 @@ class CompactionStats(BaseModel):
         0, description="Tokens of earlier compaction summaries kept verbatim at the head (not summarised again)."
     )
     empty_or_runaway_chunks: list[int] = Field(description="Chunks whose first summary was empty or a runaway.")
+    grounding_threshold: float = Field(default=0.0, description="The grounding threshold applied (0: no check).")
+    ungrounded_chunks: list[int] = Field(
+        default_factory=list, description="Chunks whose first summary fell below the grounding threshold."
+    )
+    extractive_fallback_chunks: list[int] = Field(
+        default_factory=list, description="Chunks whose kept text is the extractive fallback."
+    )
     replicas: list[str | None] = Field(description="Replica of each chunk, in chunk order.")
     per_chunk: list[ChunkStats]
 

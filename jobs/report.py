@@ -1,12 +1,13 @@
 """The benchmark report: markdown tables and paper-style PNG figures from a sweep's results.
 
-    python jobs/report.py RESULTS_DIR [--out DIR]
+    python jobs/report.py RESULTS_DIR [--out DIR] [--show SECTION]
 
 Sections follow the experiment families: (a) summary output tokens vs input length per
 instruction variant; (b) run-to-run stability (coefficient of variation of summary length,
 mean pairwise ROUGE-L); (c) compaction share of end-to-end time and compaction count vs τ;
 (d) parallel vs sequential over chunk sizes (time, compaction throughput, summary volume);
-then answer quality (EM/F1, LoCoMo F1, MC accuracy, judge accuracy).
+then answer quality (EM/F1, LoCoMo F1, MC accuracy, judge accuracy), and retention (recall of
+known facts, invented salient tokens before and after the grounding check, fallbacks).
 """
 
 from __future__ import annotations
@@ -135,6 +136,78 @@ def quality(rows: pd.DataFrame) -> pd.DataFrame:
     return table.reset_index()
 
 
+RETENTION_KEYS = ["model", "dataset", "strategy", "layout", "chunk_tokens", "variant", "grounding_threshold"]
+_SUMS = [
+    "facts", "model_summaries", "summaries_ungrounded_first", "summaries_ungrounded_out", "salient_tokens_first",
+    "ungrounded_tokens_first", "salient_tokens_out", "ungrounded_tokens_out", "fallback_chunks", "chunks",
+]  # fmt: skip
+
+
+def _share(part: pd.Series, whole: pd.Series) -> pd.Series:
+    return part.astype(float) / whole.astype(float).where(whole > 0)
+
+
+def retention(rows: pd.DataFrame) -> pd.DataFrame:
+    """Per compaction setting: recall (exact, judged), summary volume, invented tokens before/after, fallbacks."""
+    runs = rows[rows.event == "retention"]
+    if runs.empty:
+        return pd.DataFrame()
+    facts = rows[rows.event == "fact"].copy()
+    facts["exact"] = facts.recalled_exact.astype(float)
+    facts["judged"] = facts.judge_correct.astype("boolean").astype(float)
+    recall = facts.groupby(RETENTION_KEYS, dropna=False).agg(
+        recall_exact=("exact", "mean"), recall_judged=("judged", "mean"), judge_is_agent=("judge_is_agent_model", "max")
+    )
+    table = runs.groupby(RETENTION_KEYS, dropna=False).agg(
+        histories=("cell_id", "size"),
+        summary_tokens=("summary_tokens", "mean"),
+        latency_s=("compaction_latency_s", "mean"),
+        **{c: (c, "sum") for c in _SUMS},
+    )
+    table = table.join(recall).reset_index()
+    table["invented_summaries_before"] = _share(table.summaries_ungrounded_first, table.model_summaries)
+    table["invented_summaries_after"] = _share(table.summaries_ungrounded_out, table.model_summaries)
+    table["invented_tokens_before"] = _share(table.ungrounded_tokens_first, table.salient_tokens_first)
+    table["invented_tokens_after"] = _share(table.ungrounded_tokens_out, table.salient_tokens_out)
+    table["fallback_rate"] = _share(table.fallback_chunks, table.model_summaries)
+    keep = [*RETENTION_KEYS, "histories", "facts", "recall_exact", "recall_judged", "summary_tokens", "latency_s"]
+    keep += ["invented_summaries_before", "invented_summaries_after", "invented_tokens_before"]
+    keep += ["invented_tokens_after", "fallback_rate", "judge_is_agent"]
+    return table[keep]
+
+
+def retention_by_kind(rows: pd.DataFrame) -> pd.DataFrame:
+    """Exact recall per kind of fact (columns) and compaction setting (rows)."""
+    facts = rows[rows.event == "fact"].copy()
+    if facts.empty:
+        return pd.DataFrame()
+    facts["exact"] = facts.recalled_exact.astype(float)
+    keys = ["dataset", "strategy", "layout", "chunk_tokens", "grounding_threshold"]
+    table = facts.pivot_table(index=keys, columns="fact_kind", values="exact", aggfunc="mean", dropna=False)
+    return table.dropna(how="all").reset_index().rename_axis(columns=None)
+
+
+def plot_retention(table: pd.DataFrame, path: Path) -> None:
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    colours = {"parallel": "tab:blue", "sequential": "tab:orange", "extractive": "tab:green"}
+    markers = {"coding": "o", "locomo": "s"}
+    for axis, column in zip(axes, ("recall_exact", "recall_judged"), strict=True):
+        for (strategy, dataset), group in table.groupby(["strategy", "dataset"]):
+            label = f"{strategy}, {dataset}"
+            colour, marker = colours.get(strategy, "tab:grey"), markers.get(dataset, "^")
+            axis.scatter(group.summary_tokens, group[column], color=colour, marker=marker, label=label, alpha=0.8)
+        axis.set(xlabel="summary tokens kept (mean per compaction)", ylabel=column.replace("_", " "))
+        axis.set_ylim(-0.05, 1.05)
+        axis.grid(alpha=0.3)
+    axes[0].set_title("Exact: the fact's string survives")
+    axes[1].set_title("Judged: answered from the compacted history")
+    axes[1].legend(fontsize=7, loc="best")
+    fig.suptitle("Retention: recall vs summary volume per strategy")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def plot_output_length(table: pd.DataFrame, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     for (model, variant), group in table.groupby(["model", "variant"]):
@@ -187,13 +260,16 @@ def plot_chunks(table: pd.DataFrame, path: Path) -> None:
     plt.close(fig)
 
 
-def write_report(results: Path, out: Path) -> Path:
-    store = ResultStore(results)
-    table = store.read()
+def load_rows(results: Path) -> tuple[pd.DataFrame, dict[str, int]]:
+    table = ResultStore(results).read()
     if table.num_rows == 0:
-        raise SystemExit(f"no results in {store.cells}; run jobs/sweep.py first")
+        raise SystemExit(f"no results in {results / 'cells'}; run jobs/sweep.py first")
     integers = {pa.int32(): pd.Int64Dtype(), pa.int64(): pd.Int64Dtype()}
-    rows = table.to_pandas(types_mapper=integers.get)  # nullable integers stay integers
+    return table.to_pandas(types_mapper=integers.get), integrity(table)  # nullable integers stay integers
+
+
+def write_report(results: Path, out: Path) -> Path:
+    rows, counts = load_rows(results)
     out.mkdir(parents=True, exist_ok=True)
     runs = episodes(rows)
     sections = {
@@ -202,12 +278,19 @@ def write_report(results: Path, out: Path) -> Path:
         "tau": tau_table(runs),
         "chunking": chunk_table(runs),
         "quality": quality(rows),
+        "retention": retention(rows),
+        "retention_by_kind": retention_by_kind(rows),
     }
-    figures = {"output_length": plot_output_length, "tau": plot_tau, "chunking": plot_chunks}
+    figures = {
+        "output_length": plot_output_length,
+        "tau": plot_tau,
+        "chunking": plot_chunks,
+        "retention": plot_retention,
+    }
     for name, plot in figures.items():
         if not sections[name].empty:
             plot(sections[name], out / f"{name}.png")
-    text = render(results, rows, integrity(table), sections, {n for n in figures if (out / f"{n}.png").exists()})
+    text = render(results, rows, counts, sections, {n for n in figures if (out / f"{n}.png").exists()})
     report = out / "report.md"
     report.write_text(text)
     return report
@@ -219,11 +302,18 @@ TITLES = {
     "tau": "(c) Compaction share of end-to-end time and compaction count vs τ",
     "chunking": "(d) Parallel vs sequential over chunk sizes at matched decode volume",
     "quality": "Answer quality",
+    "retention": "Retention: recall of known facts and invented salient tokens, per strategy",
+    "retention_by_kind": "Retention: exact recall per kind of fact",
 }
 NOTES = {
     "stability": "CV = sample standard deviation / mean of summary tokens; ROUGE-L = mean F1 over all pairs.",
     "chunking": "throughput = input tokens compacted per second of compaction; volume = summary tokens kept.",
     "quality": "Judge accuracy counts parsed verdicts only; judge_is_agent marks a judge that is the agent model.",
+    "retention": "recall_exact: the fact's string occurs in the compacted history; recall_judged: the agent answered "
+    "the fact's question from it and the judge agreed (parsed verdicts only; judge_is_agent marks a judge that is "
+    "the agent model). invented_*: share of model summaries (or of their salient tokens) stating a salient token "
+    "found nowhere in their source, in the first attempt (before) and in the text kept (after the grounding check); "
+    "fallback_rate: share of model summaries replaced by the extractive summary.",
 }
 
 
@@ -250,9 +340,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("results", type=Path, help="A sweep's results folder (the one holding cells/)")
     parser.add_argument("--out", type=Path, default=None, help="Where to write report.md and the PNGs")
+    parser.add_argument("--show", choices=["retention"], default=None, help="Also print this section's tables")
     args = parser.parse_args(argv)
     report = write_report(args.results.resolve(), (args.out or args.results / "report").resolve())
     print(f"wrote {report}")
+    if args.show == "retention":
+        rows, _ = load_rows(args.results.resolve())
+        print(f"\n{TITLES['retention']}\n{markdown(retention(rows))}")
+        print(f"\n{TITLES['retention_by_kind']}\n{markdown(retention_by_kind(rows))}")
     return 0
 
 

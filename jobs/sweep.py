@@ -7,6 +7,8 @@
 Each cell is one Ray task; models run in one engine actor per model that all cells share (or
 in a running service). Finished cells are written atomically, one file per cell, by this
 driver only; running the same command again skips them. `--check` prints the integrity counts.
+`--in-process` runs the cells one after another in this process, with the engines in it too (no
+Ray): for one crowded machine, where a Ray node may not start or its memory monitor kills actors.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from compaction.backend import Backend
 from compaction.errors import CompactionError, InvalidInput
 from jobs.data.conversations import SHARED_DATA
 from jobs.experiments.cells import ModelAccess, run_cell
-from jobs.experiments.grid import Cell, SweepConfig, expand, load_config
+from jobs.experiments.grid import GENERATED, Cell, SweepConfig, expand, load_config
 from jobs.experiments.results import ResultStore, integrity
 from serving.models import Catalogue, load_catalogue
 
@@ -85,6 +87,21 @@ class Progress:
         self.total, self.done, self.failed, self.rows = total, 0, 0, 0
         self.began = time.perf_counter()
 
+    def record(self, store: ResultStore, cell: Cell, began: float, outcome: pa.Table | Exception) -> None:
+        """Write a finished cell (or note its failure, which the next run retries) and log a progress line."""
+        try:
+            if isinstance(outcome, Exception):
+                raise outcome
+            store.write(cell.cell_id, outcome)
+        except Exception as exc:
+            store.write_error(cell.cell_id, f"{type(exc).__name__}: {exc}")
+            self.failed += 1
+            say(self.line(cell, time.perf_counter() - began, f"FAILED ({str(exc).splitlines()[0][:200]})"))
+            return
+        self.done += 1
+        self.rows += outcome.num_rows
+        say(self.line(cell, time.perf_counter() - began, f"wrote {outcome.num_rows} rows"))
+
     def line(self, cell: Cell, seconds: float, outcome: str) -> str:
         elapsed = time.perf_counter() - self.began
         finished = self.done + self.failed
@@ -118,17 +135,12 @@ def run_cells(
         (ref,), _ = ray.wait(list(inflight), num_returns=1)
         cell, began = inflight.pop(ref)
         scheduler.finish(cell)
+        outcome: pa.Table | Exception
         try:
-            table: pa.Table = ray.get(ref)
-            store.write(cell.cell_id, table)
-        except Exception as exc:  # a failed cell is recorded and retried by the next run
-            store.write_error(cell.cell_id, f"{type(exc).__name__}: {exc}")
-            progress.failed += 1
-            say(progress.line(cell, time.perf_counter() - began, f"FAILED ({str(exc).splitlines()[0][:200]})"))
-            continue
-        progress.done += 1
-        progress.rows += table.num_rows
-        say(progress.line(cell, time.perf_counter() - began, f"wrote {table.num_rows} rows"))
+            outcome = ray.get(ref)
+        except Exception as exc:
+            outcome = exc
+        progress.record(store, cell, began, outcome)
         if stop_after is not None and progress.done >= stop_after:
             for pending in inflight:
                 ray.cancel(pending, force=True)
@@ -204,7 +216,7 @@ def connect(address: str | None, num_cpus: int) -> bool:
 
 
 def check_data(cells: Sequence[Cell], paths: dict[str, str]) -> None:
-    needed = {c.dataset for c in cells}  # summary cells read LoCoMo: their dataset is locomo
+    needed = {c.dataset for c in cells} - GENERATED  # summary cells read LoCoMo: their dataset is locomo
     for dataset in sorted(needed):
         if not Path(paths[dataset]).exists():
             raise InvalidInput(
@@ -243,6 +255,60 @@ def sweep(config: SweepConfig, args: argparse.Namespace, store: ResultStore, cel
     return 1 if progress.failed else 0
 
 
+async def _run_in_order(
+    cells: Sequence[Cell], store: ResultStore, paths: dict[str, str], accesses: Mapping[str, ModelAccess]
+) -> Progress:
+    progress = Progress(len(cells))
+    for cell in cells:
+        began = time.perf_counter()
+        judge = accesses[cell.judge_model] if cell.judge_model else None
+        outcome: pa.Table | Exception
+        try:
+            outcome = await run_cell(cell, paths, accesses[cell.model], judge, True)
+        except Exception as exc:
+            outcome = exc
+        progress.record(store, cell, began, outcome)
+    return progress
+
+
+def sweep_in_process(config: SweepConfig, args: argparse.Namespace, store: ResultStore, cells: Sequence[Cell]) -> int:
+    """The cells in this process, one at a time, on in-process engines (backend kind `engine` only)."""
+    from serving.backends import VLLMBackend
+
+    if config.backend.kind != "engine":
+        raise InvalidInput("backend", "--in-process runs engines in this process: use backend.kind engine")
+    paths = config.data.resolve(Path(args.data_dir))
+    check_data(cells, paths)
+    catalogue = load_catalogue()
+    engines: list[VLLMBackend] = []
+    accesses: dict[str, ModelAccess] = {}
+    try:
+        for name in sorted({c.model for c in cells} | {c.judge_model for c in cells if c.judge_model}):
+            spec = catalogue.get(name)
+            window = config.backend.max_model_len or spec.max_model_len
+            engines.append(
+                VLLMBackend.start(
+                    spec.resolved_source(), max_model_len=window, kv_cache_gib=config.backend.kv_cache_gib
+                )
+            )
+            engine = engines[-1]
+            factory = functools.partial(lambda e: e, engine)
+            accesses[name] = ModelAccess(
+                name,
+                spec.resolved_source(),
+                engine.max_model_len,
+                engine.block_size,
+                factory,
+                f"in-process engine ({spec.device})",
+            )
+        progress = asyncio.run(_run_in_order(cells, store, paths, accesses))
+    finally:
+        for engine in engines:
+            engine.shutdown()
+    say(f"{progress.done} cells written, {progress.failed} failed; dataset {store.cells}: {integrity(store.read())}")
+    return 1 if progress.failed else 0
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", type=Path, required=True, help="Sweep YAML (see jobs/configs/)")
@@ -253,6 +319,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--task-cpus", type=float, default=0.25, help="Logical CPUs of one cell task")
     parser.add_argument("--stop-after", type=int, default=None, help="Stop after writing this many cells")
     parser.add_argument("--dry-run", action="store_true", help="List the cells and exit")
+    parser.add_argument("--in-process", action="store_true", help="No Ray: run the cells one by one in this process")
     parser.add_argument("--check", action="store_true", help="Print the results' integrity counts and exit")
     return parser.parse_args(argv)
 
@@ -285,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     store.root.mkdir(parents=True, exist_ok=True)
     (store.root / "sweep.yaml").write_text(Path(args.config).read_text())
     try:
-        return sweep(config, args, store, todo)
+        return (sweep_in_process if args.in_process else sweep)(config, args, store, todo)
     except CompactionError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

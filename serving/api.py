@@ -7,48 +7,63 @@ bodies `{"error": {"message", "type", "param", "code"}}` naming the offending fi
     body over max_request_bytes            413      body empty / not UTF-8 / not JSON   400
     Content-Type not application/json      415      missing or wrong bearer key     401
     field fails validation                 422      unknown model                   404
-    compactions at their limit (Overloaded) 429 + Retry-After
-    no replica could finish it (BackendError, Serve back-pressure)  503 + Retry-After
+    compaction queue full (Overloaded)     429 + Retry-After
+    past the request's timeout_s (DeadlineExceeded)  504
+    no replica or coordinator could finish it (BackendError, Serve back-pressure)  503 + Retry-After
+    any other HTTP error FastAPI raises (e.g. a body nested too deeply to parse)  its status, same shape
+    an exception inside a model replica (ray.serve.llm's OpenAI endpoints): 400 when the model could
+    not read the messages (KeyError/ValueError/TypeError from its chat template), else 503; never Ray's text
+
+A body over the limit is read to its end (up to `DRAIN_LIMIT`) before the 413 goes out, so a
+client still sending it reads the answer instead of a connection reset.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
+import logging
 import os
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import ConfigDict, Field
+from ray.exceptions import RayTaskError
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 from ray.serve.llm.ingress import OpenAiIngress, make_fastapi_ingress
 from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 from starlette.types import Message as AsgiMessage
 
-from compaction.errors import BackendError, InvalidInput, ModelNotAvailable, Overloaded, UnknownModel
+from compaction.errors import BackendError, DeadlineExceeded, InvalidInput, ModelNotAvailable, Overloaded, UnknownModel
 from compaction.history import Message
 from compaction.options import CompactionOptions
 from compaction.tokenizer import HFChatTokenizer
 from serving.chat import FIELD as CONTEXT_MANAGEMENT
 from serving.chat import PromptCounter, prepare_turn, with_compaction
-from serving.coordinator import CompactJob, Failure, ServiceResult
+from serving.coordinator import CompactJob, ServiceResult
+from serving.coordinator_calls import call_coordinator
 from serving.ray_adapter import ChatRequest, openai_app, openai_routes
 from serving.routing import PlacementMode
 from serving.sessions import ChatTurn, TurnCompaction
 
+logger = logging.getLogger(__name__)
 SESSION_HEADER = "x-session-id"
 OPEN_PATHS = frozenset({"/healthz", "/docs", "/docs/oauth2-redirect", "/openapi.json", "/redoc"})
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+DEADLINE_GRACE_S = 5.0
+DRAIN_LIMIT = 1 << 30  # an oversize body is read (and dropped) up to this size so the client can read its 413
 
 # (exception, HTTP status, error type, Retry-After seconds or None): the first match wins.
 ERRORS: tuple[tuple[type[Exception], int, str, float | None], ...] = (
     (UnknownModel, 404, "not_found_error", None),
     (InvalidInput, 422, "invalid_request_error", None),
     (Overloaded, 429, "rate_limit_error", 5.0),
+    (DeadlineExceeded, 504, "timeout_error", None),
     (BackendError, 503, "service_unavailable", 5.0),
     (ModelNotAvailable, 503, "service_unavailable", 30.0),
     (BackPressureError, 503, "service_unavailable", 5.0),
@@ -76,6 +91,13 @@ class CompactRequest(CompactionOptions):
         description="auto: the cost model decides; pinned: every chunk on the session's replica; spread: "
         "contiguous chunk ranges over replicas; round_robin: no affinity (for comparison).",
     )
+    timeout_s: float | None = Field(
+        None,
+        gt=0,
+        le=86_400,
+        description="Deadline in seconds, queue wait included; past it the answer is 504 and the work is "
+        "cancelled. Default: the service's compaction_timeout_s.",
+    )
 
     def job(self, header_session: str | None) -> CompactJob:
         options = CompactionOptions.model_validate(self.model_dump(include=set(CompactionOptions.model_fields)))
@@ -85,6 +107,7 @@ class CompactRequest(CompactionOptions):
             options=options,
             session_id=self.session_id or header_session or None,
             placement=self.placement,
+            timeout_s=self.timeout_s,
         )
 
 
@@ -115,6 +138,33 @@ async def on_validation_error(request: Request, exc: Exception) -> JSONResponse:
     return error_response(422, "invalid_request_error", f"{field}: {first['msg']}", field)
 
 
+async def on_http_error(request: Request, exc: Exception) -> JSONResponse:
+    """FastAPI's own HTTP errors (a body it cannot parse, an unknown path, a wrong method) in our shape."""
+    assert isinstance(exc, HTTPException)
+    if isinstance(exc.__cause__, RecursionError):
+        message = "body: JSON nested too deeply to parse; send a flatter document"
+    else:
+        message = f"body: {exc.detail}" if exc.status_code == 400 else str(exc.detail)
+    param = "body" if exc.status_code == 400 else None
+    response = error_response(exc.status_code, "invalid_request_error", message, param)
+    response.headers.update(exc.headers or {})
+    return response
+
+
+async def on_replica_error(request: Request, exc: Exception) -> JSONResponse:
+    """An exception raised inside a model replica, without Ray's internals in the answer."""
+    assert isinstance(exc, RayTaskError)
+    cause = exc.cause
+    if isinstance(cause, KeyError | ValueError | TypeError):
+        detail = f"{type(cause).__name__}: {str(cause)[:200]}"
+        message = f"messages: the model's chat template could not render them ({detail}); send OpenAI-style messages"
+        return error_response(400, "invalid_request_error", message, "messages")
+    logger.error("a model replica failed on %s: %r", request.url.path, exc)
+    return error_response(
+        503, "service_unavailable", "the model replica failed on this request; retry shortly", None, 5
+    )
+
+
 async def on_error(request: Request, exc: Exception) -> JSONResponse:
     for kind, status, name, retry in ERRORS:
         if isinstance(exc, kind):
@@ -123,6 +173,10 @@ async def on_error(request: Request, exc: Exception) -> JSONResponse:
             wait = exc.retry_after_s if isinstance(exc, Overloaded) else retry
             return error_response(status, name, str(exc), None, wait)
     raise exc
+
+
+class _ClientLeft(Exception):
+    """The client disconnected while sending its body."""
 
 
 class BodyGuard:
@@ -138,25 +192,33 @@ class BodyGuard:
         headers = Headers(scope=scope)
         declared = headers.get("content-length", "")
         too_big = f"body: over the limit of {self.max_bytes} bytes; send a shorter history or raise max_request_bytes"
-        if declared.isdigit() and int(declared) > self.max_bytes:
+        try:
+            body = await self._read(receive, keep=not (declared.isdigit() and int(declared) > self.max_bytes))
+        except _ClientLeft:
+            return None
+        if body is None:
             return await error_response(413, "request_too_large", too_big, "body")(scope, receive, send)
+        problem = self._problem(headers, body)
+        if problem is not None:
+            return await problem(scope, receive, send)
+        await self.app(scope, self._replay(body, receive), send)
+
+    async def _read(self, receive: Receive, *, keep: bool) -> bytes | None:
+        """The whole body, or None when it passes the limit: then it is read to its end (up to DRAIN_LIMIT)
+        and dropped, so the client finishes sending and reads the 413. Raises _ClientLeft on a disconnect."""
         chunks: list[bytes] = []
         size = 0
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
-                return None
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            if size > self.max_bytes:
-                return await error_response(413, "request_too_large", too_big, "body")(scope, receive, send)
-            if not message.get("more_body"):
-                break
-        body = b"".join(chunks)
-        problem = self._problem(headers, body)
-        if problem is not None:
-            return await problem(scope, receive, send)
-        await self.app(scope, self._replay(body, receive), send)
+                raise _ClientLeft
+            part = message.get("body", b"")
+            size += len(part)
+            keep = keep and size <= self.max_bytes
+            if keep:
+                chunks.append(part)
+            if not message.get("more_body") or size > DRAIN_LIMIT:
+                return b"".join(chunks) if keep else None
 
     @staticmethod
     def _problem(headers: Headers, body: bytes) -> JSONResponse | None:
@@ -224,10 +286,18 @@ class CompactionIngress(OpenAiIngress):
         self._counters: dict[str, PromptCounter] = {}
 
     async def compact(self, body: CompactRequest, request: Request) -> ServiceResult:
-        """Compact a history; the stats show where each chunk ran and what the cache served."""
-        outcome = await self._coordinator.compact.remote(body.job(request.headers.get(SESSION_HEADER)))
-        if isinstance(outcome, Failure):
-            raise outcome.exception()
+        """Compact a history; the stats show where each chunk ran, what the cache served and the queue wait."""
+        job = body.job(request.headers.get(SESSION_HEADER))
+        # The coordinator enforces timeout_s per attempt; this bounds the whole call, retries on another
+        # coordinator included (a small grace lets the coordinator's own 504 arrive first).
+        try:
+            async with asyncio.timeout(job.timeout_s + DEADLINE_GRACE_S if job.timeout_s else None):
+                outcome = await call_coordinator(self._coordinator, "compact", job, session_id=job.session_id)
+        except TimeoutError as exc:
+            raise DeadlineExceeded(
+                f"the compaction did not finish within timeout_s = {job.timeout_s:g} s and was cancelled",
+                job.timeout_s or 0.0,
+            ) from exc
         assert isinstance(outcome, ServiceResult)
         return outcome
 
@@ -251,19 +321,17 @@ class CompactionIngress(OpenAiIngress):
         return self._counters[model]
 
     async def _turn(self, turn: ChatTurn) -> TurnCompaction:
-        handle = self._coordinator.options(session_id=turn.session_id) if turn.session_id else self._coordinator
-        outcome = await handle.chat_turn.remote(turn)
-        if isinstance(outcome, Failure):
-            raise outcome.exception()
+        """The coordinator's decision for a turn, on the replica the session hashes to (retried on a live one)."""
+        outcome = await call_coordinator(self._coordinator, "chat_turn", turn, session_id=turn.session_id)
         assert isinstance(outcome, TurnCompaction)
         return outcome
 
     async def healthz(self) -> dict[str, Any]:
-        """Ready when the coordinator answers and every model has a running replica."""
+        """Ready when a coordinator answers and every model has a running replica."""
         try:
-            replicas = await asyncio.wait_for(self._coordinator.replicas.remote(), timeout=10)
-        except Exception as exc:
-            raise BackendError(f"the compaction coordinator is not answering: {exc!r}") from exc
+            replicas = await asyncio.wait_for(call_coordinator(self._coordinator, "replicas"), timeout=10)
+        except TimeoutError as exc:
+            raise BackendError("the compaction coordinator is not answering within 10 s") from exc
         starting = sorted(name for name, count in replicas.items() if count == 0)
         if starting:
             raise BackendError(f"no running replica yet for {starting}; the models are starting or failed")
@@ -287,6 +355,8 @@ def make_ingress(max_request_bytes: int, api_key_env: str) -> type:
         "endpoints serve the agent's own turns on the same replicas.",
     )
     app.add_exception_handler(RequestValidationError, on_validation_error)
+    app.add_exception_handler(HTTPException, on_http_error)
+    app.add_exception_handler(RayTaskError, on_replica_error)
     for kind, *_ in ERRORS:
         app.add_exception_handler(kind, on_error)
     app.add_middleware(BodyGuard, max_bytes=max_request_bytes)

@@ -2,16 +2,19 @@
 
     build_app(args) -> ray.serve.Application        (Serve config: import_path: serving.app:build_app)
 
-Graph: `CompactionIngress` (FastAPI; OpenAI endpoints + /v1/compact) -> `Coordinator` (one
-replica; plans, places, dispatches) -> one ray.serve.llm `LLMServer` deployment per model, routed
-by `SessionRouter` (consistent hash on the session id, placement keys from the coordinator).
+Graph: `CompactionIngress` (FastAPI; OpenAI endpoints + /v1/compact) -> `Coordinator`
+(`coordinator_replicas` replicas, 2 by default, so none is a single point of failure; calls that
+carry a session id reach the session's coordinator replica through `SessionRouter`; admits, plans,
+places, dispatches) -> one ray.serve.llm `LLMServer` deployment per model, routed by `SessionRouter`
+(consistent hash on the session id, placement keys from the coordinator).
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import os
-from functools import partial
+import time
 from typing import Any, cast
 
 import ray
@@ -27,14 +30,16 @@ from compaction.compactor import Compactor
 from compaction.errors import CompactionError
 from compaction.tokenizer import HFChatTokenizer
 from serving.api import make_ingress
-from serving.coordinator import CompactJob, Coordinator, Failure, ModelRuntime, ServiceResult
+from serving.coordinator import AdmissionConfig, CompactJob, Coordinator, Failure, ModelRuntime, ServiceResult
 from serving.dispatch import ReplicaBackend
+from serving.metrics import RayMetrics, record_stall
 from serving.models import ModelSpec, Replicas, load_catalogue
 from serving.ray_adapter import ROUTER_CLASS, model_card, router_kwargs
 from serving.routing import CostModel
 from serving.sessions import ChatTurn, SessionCompactions, TurnCompaction
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
+COORDINATOR_MAX_ONGOING = 100_000
 
 
 class AppArgs(BaseModel):
@@ -52,10 +57,27 @@ class AppArgs(BaseModel):
         "Authorization: Bearer <key>. Unset: no auth (fine on 127.0.0.1).",
     )
     max_request_bytes: int = Field(16 * 1024 * 1024, ge=1024, le=1 << 30, description="Bodies above this size get 413.")
-    max_concurrent_compactions: int = Field(
-        4, ge=1, le=1024, description="Compactions run at once; more get 429 with Retry-After."
+    max_concurrent_compactions: int | None = Field(
+        None,
+        ge=1,
+        le=16_384,
+        description="Per model and coordinator replica: compactions running at once. None: as many as the "
+        "engines batch (each compaction holds one sequence per chunk; capacity = running model replicas x "
+        "max_num_seqs / coordinator_replicas). More wait in the queue.",
     )
-    compaction_timeout_s: float = Field(600.0, gt=0, le=86_400, description="A compaction past this gets 503.")
+    max_queued_compactions: int = Field(
+        64,
+        ge=0,
+        le=100_000,
+        description="Per model and coordinator replica: compactions waiting for admission; more get 429 with "
+        "Retry-After.",
+    )
+    coordinator_replicas: int = Field(
+        2, ge=1, le=64, description="Coordinator replicas; a compaction whose replica dies is retried on another."
+    )
+    compaction_timeout_s: float = Field(
+        600.0, gt=0, le=86_400, description="Deadline of a compaction that names no timeout_s; past it 504."
+    )
     max_failovers: int = Field(2, ge=0, le=16, description="Times a chunk prompt moves to another replica on failure.")
     chunk_cache_entries: int = Field(
         4096,
@@ -91,14 +113,28 @@ def as_deployment(cls: type) -> Deployment:
     return cast(Deployment, serve.deployment(cls))
 
 
-async def running_replicas(handle: DeploymentHandle) -> int:
-    """Running replicas of a deployment, from the Serve controller (off the event loop)."""
-    status = await asyncio.to_thread(serve.status)
-    app = status.applications.get(handle.app_name)
-    deployment = app.deployments.get(handle.deployment_name) if app else None
-    if deployment is None:
-        return 1
-    return int(deployment.replica_states.get("RUNNING", 0))  # type: ignore[call-overload]
+class RunningReplicas:
+    """Running replicas of a deployment, from the Serve controller (off the event loop), cached briefly:
+    every compaction asks, and a burst of them should not become a burst of controller calls."""
+
+    def __init__(self, handle: DeploymentHandle, ttl_s: float = 2.0) -> None:
+        self.handle = handle
+        self.ttl_s = ttl_s
+        self._cached: tuple[float, int] | None = None
+
+    async def __call__(self) -> int:
+        now = time.monotonic()
+        if self._cached is None or now - self._cached[0] > self.ttl_s:
+            self._cached = (now, await asyncio.to_thread(self._count))
+        return self._cached[1]
+
+    def _count(self) -> int:
+        status = serve.status()
+        app = status.applications.get(self.handle.app_name)
+        deployment = app.deployments.get(self.handle.deployment_name) if app else None
+        if deployment is None:
+            return 1
+        return int(deployment.replica_states.get("RUNNING", 0))  # type: ignore[call-overload]
 
 
 class CoordinatorDeployment:
@@ -116,12 +152,19 @@ class CoordinatorDeployment:
                 tokenizer, backend, context_window=spec.max_model_len, block_size=spec.block_size, cache=cache
             )
             runtimes[spec.name] = ModelRuntime(
-                compactor, partial(running_replicas, handle), args.cost.get(spec.name, CostModel())
+                compactor,
+                RunningReplicas(handle),
+                args.cost.get(spec.name, CostModel()),
+                batch_sequences=math.ceil(spec.batch_sequences() / args.coordinator_replicas),
             )
             self._backends[spec.name] = backend
-        self._coordinator = Coordinator(
-            runtimes, max_concurrent=args.max_concurrent_compactions, timeout_s=args.compaction_timeout_s
+        admission = AdmissionConfig(
+            max_queued=args.max_queued_compactions,
+            max_running=args.max_concurrent_compactions,
+            timeout_s=args.compaction_timeout_s,
         )
+        name = serve.get_replica_context().replica_id.unique_id
+        self._coordinator = Coordinator(runtimes, admission, RayMetrics(), name)
         self._sessions = SessionCompactions(self._coordinator.compact, max_sessions=args.chat_sessions)
 
     async def compact(self, job: CompactJob) -> ServiceResult | Failure:
@@ -134,9 +177,12 @@ class CoordinatorDeployment:
         """The compaction outcome of one chat turn with context_management (serving.sessions)."""
         try:
             runtime = self._coordinator.runtime(turn.model)
-            return await self._sessions.turn(turn, runtime.compactor.tokenizer)
+            outcome = await self._sessions.turn(turn, runtime.compactor.tokenizer)
         except CompactionError as exc:
             return Failure.of(exc)
+        if outcome.status == "applied":
+            record_stall(turn.model, outcome.stall_s)
+        return outcome
 
     async def replicas(self) -> dict[str, int]:
         """Running replicas of every hosted model."""
@@ -191,8 +237,10 @@ def build_app(args: dict[str, Any]) -> Application:
         as_deployment(CoordinatorDeployment)
         .options(
             name="Coordinator",
+            num_replicas=opts.coordinator_replicas,
             ray_actor_options=actor_options(),
-            max_ongoing_requests=opts.max_concurrent_compactions * 2 + 8,
+            max_ongoing_requests=COORDINATOR_MAX_ONGOING,  # its own Gate queues and sheds, not Serve
+            request_router_config=routing,
         )
         .bind(llms, specs, opts)
     )

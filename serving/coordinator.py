@@ -1,6 +1,10 @@
 """The compaction coordinator: partition -> layout -> route -> dispatch -> merge.
 
-A plain class (no Ray import): `serving.app` wraps it in a Serve deployment. Per compaction it
+A plain class (no Ray import): `serving.app` wraps it in a Serve deployment. `Coordinator.compact` is
+the one entry point every caller uses (the HTTP handler, background tasks): identical concurrent
+jobs of a session run once (`serving.admission.SharedRuns`), each caller has its own deadline
+(`timeout_s`), and a run is admitted by the model's `Gate` (bounded running sequences, bounded
+queue, then `Overloaded`). Per compaction it
 plans with `Compactor.plan` (render once, partition, lay out prompts), decides the placement with
 `serving.routing.place` (cost model: pin to the session's replica or spread contiguous ranges),
 dispatches every chunk prompt at once with `Compactor.run` (one routing key per chunk), and adds
@@ -18,6 +22,7 @@ same replica; both are prefill the compaction did not redo.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -30,6 +35,7 @@ from compaction.errors import (
     BackendError,
     CompactionError,
     ContextOverflow,
+    DeadlineExceeded,
     InvalidInput,
     ModelNotAvailable,
     Overloaded,
@@ -38,6 +44,8 @@ from compaction.errors import (
 from compaction.history import Message
 from compaction.options import CompactionOptions
 from compaction.result import CompactionResult, CompactionStats
+from serving.admission import Gate, Limits, SharedRuns
+from serving.metrics import Outcome, OutcomeKind, Sink
 from serving.routing import CostModel, Placement, PlacementInput, PlacementMode, PromptShape, history_key, place
 
 
@@ -50,6 +58,12 @@ class CompactJob(BaseModel):
     options: CompactionOptions
     session_id: str | None = None
     placement: PlacementMode = "auto"
+    timeout_s: float | None = None  # this caller's deadline; None: the service's compaction_timeout_s
+
+    def key(self) -> tuple[str, str | None, str]:
+        """Identity for de-duplication: the same session asking for the same compaction (deadline aside)."""
+        digest = hashlib.sha256(self.model_dump_json(exclude={"timeout_s"}).encode()).hexdigest()
+        return self.model, self.session_id, digest
 
 
 class ServiceStats(CompactionStats):
@@ -62,6 +76,11 @@ class ServiceStats(CompactionStats):
     )
     history_cached_tokens: int = Field(description="Of history_prompt_tokens, those vLLM served from its prefix cache.")
     history_cached_fraction: float = Field(description="history_cached_tokens / history_prompt_tokens.")
+    queue_wait_s: float = Field(description="Time the compaction waited for admission; latency_s excludes it.")
+    coordinator: str | None = Field(None, description="The coordinator replica that ran it.")
+    shared: bool = Field(
+        False, description="True when this request joined an identical running compaction of the same session."
+    )
 
 
 class ServiceResult(BaseModel):
@@ -79,10 +98,15 @@ class ServiceResult(BaseModel):
 
 
 ErrorKind = Literal[
-    "UnknownModel", "ContextOverflow", "InvalidInput", "Overloaded", "BackendError", "ModelNotAvailable"
-]
+    "UnknownModel", "ContextOverflow", "InvalidInput", "Overloaded", "BackendError", "DeadlineExceeded",
+    "ModelNotAvailable",
+]  # fmt: skip
 _KINDS: tuple[type[CompactionError], ...] = (
-    UnknownModel, ContextOverflow, InvalidInput, Overloaded, BackendError, ModelNotAvailable,
+    UnknownModel, ContextOverflow, InvalidInput, Overloaded, BackendError, DeadlineExceeded, ModelNotAvailable,
+)  # fmt: skip
+# Metric outcome of each error, most specific first.
+_OUTCOMES: tuple[tuple[type[CompactionError], OutcomeKind], ...] = (
+    (InvalidInput, "invalid"), (Overloaded, "overloaded"), (DeadlineExceeded, "timeout"), (CompactionError, "failed"),
 )  # fmt: skip
 
 
@@ -94,12 +118,15 @@ class Failure(BaseModel):
     message: str
     field: str | None = None
     retry_after_s: float | None = None
+    timeout_s: float | None = None
 
     @classmethod
     def of(cls, exc: CompactionError) -> Failure:
         kind = next(k for k in _KINDS if isinstance(exc, k))
         if isinstance(exc, InvalidInput):
             return cls(kind=kind.__name__, message=exc.message, field=exc.field)
+        if isinstance(exc, DeadlineExceeded):
+            return cls(kind=kind.__name__, message=str(exc), timeout_s=exc.timeout_s)
         retry = exc.retry_after_s if isinstance(exc, Overloaded) else None
         return cls(kind=kind.__name__, message=str(exc), retry_after_s=retry)
 
@@ -109,6 +136,8 @@ class Failure(BaseModel):
             return kind(self.field or "request", self.message)
         if issubclass(kind, Overloaded):
             return kind(self.message, self.retry_after_s or 1.0)
+        if issubclass(kind, DeadlineExceeded):
+            return kind(self.message, self.timeout_s or 0.0)
         return kind(self.message)
 
 
@@ -132,16 +161,43 @@ class ModelRuntime:
     compactor: Compactor  # tokenizer + the replica backend + context window + block size
     replicas: Callable[[], Awaitable[int]]  # running replicas of the model, right now
     cost: CostModel = field(default_factory=CostModel)
+    batch_sequences: int = 128  # sequences one model replica batches that this coordinator may fill (its share)
+
+
+@dataclass(frozen=True)
+class AdmissionConfig:
+    """The coordinator's limits, per model, for this coordinator replica."""
+
+    max_queued: int = 64  # compactions waiting for admission; more get Overloaded (429)
+    max_running: int | None = None  # cap on compactions running at once; None: only the sequence capacity limits
+    timeout_s: float = 600.0  # deadline of a request that names none
 
 
 class Coordinator:
-    """Runs compactions for several models; bounded concurrency, bounded time."""
+    """Runs compactions for several models: shared identical runs, admission, deadlines, metrics."""
 
-    def __init__(self, models: Mapping[str, ModelRuntime], *, max_concurrent: int = 4, timeout_s: float = 600) -> None:
+    def __init__(
+        self,
+        models: Mapping[str, ModelRuntime],
+        admission: AdmissionConfig | None = None,
+        metrics: Sink | None = None,
+        name: str | None = None,
+    ) -> None:
         self.models = dict(models)
-        self.max_concurrent = max_concurrent
-        self.timeout_s = timeout_s
-        self._active = 0
+        self.name = name  # this coordinator replica, named in the stats
+        self.admission = admission or AdmissionConfig()
+        self.metrics = metrics
+        self._shared: SharedRuns[ServiceResult] = SharedRuns()
+        self._gates = {name: self._gate(name, runtime) for name, runtime in self.models.items()}
+
+    def _gate(self, model: str, runtime: ModelRuntime) -> Gate:
+        limits = Limits(runtime.batch_sequences, self.admission.max_queued, self.admission.max_running)
+        metrics = self.metrics
+        return Gate(limits, on_change=(lambda state: metrics.queue(model, state)) if metrics else None)
+
+    def gate(self, model: str) -> Gate:
+        self.runtime(model)
+        return self._gates[model]
 
     def runtime(self, model: str) -> ModelRuntime:
         if model not in self.models:
@@ -149,27 +205,60 @@ class Coordinator:
         return self.models[model]
 
     async def compact(self, job: CompactJob) -> ServiceResult:
-        """Compact one history. Raises a CompactionError; the caller's messages are never modified."""
-        runtime = self.runtime(job.model)
-        if self._active >= self.max_concurrent:
-            raise Overloaded(f"{self._active} compactions are running (the limit); retry shortly", 5.0)
-        self._active += 1
-        try:
-            async with asyncio.timeout(self.timeout_s):
-                return await self._compact(runtime, job)
-        except TimeoutError as exc:
-            raise BackendError(f"the compaction did not finish within {self.timeout_s:.0f} s") from exc
-        finally:
-            self._active -= 1
+        """Compact one history. Raises a CompactionError; the caller's messages are never modified.
 
-    async def _compact(self, runtime: ModelRuntime, job: CompactJob) -> ServiceResult:
+        Past the job's deadline: DeadlineExceeded, and the run is cancelled unless another caller
+        still waits for it (likewise when the caller is cancelled, e.g. its client disconnected).
+        """
+        runtime = self.runtime(job.model)
+        timeout = job.timeout_s or self.admission.timeout_s
+        try:
+            async with asyncio.timeout(timeout):
+                result, joined = await self._shared.run(job.key(), lambda: self._admit_and_run(runtime, job))
+        except TimeoutError as exc:
+            self._report(job, "timeout")
+            raise DeadlineExceeded(
+                f"the compaction did not finish within timeout_s = {timeout:g} s and was cancelled; "
+                "raise timeout_s, compact a shorter history, or retry when the service is less busy",
+                timeout,
+            ) from exc
+        except asyncio.CancelledError:
+            self._report(job, "cancelled")
+            raise
+        except CompactionError as exc:
+            self._report(job, next(o for kind, o in _OUTCOMES if isinstance(exc, kind)))
+            raise
+        if joined:
+            result = result.model_copy(update={"stats": result.stats.model_copy(update={"shared": True})})
+        self._report(job, "ok", result.stats, joined)
+        return result
+
+    async def _admit_and_run(self, runtime: ModelRuntime, job: CompactJob) -> ServiceResult:
         compactor = runtime.compactor
-        plan = compactor.plan(job.messages, job.options)
-        shape = self._placement_input(plan, job, await runtime.replicas(), compactor)
+        plan = compactor.plan(job.messages, job.options)  # bad input fails here, before it queues
+        replicas = max(1, await runtime.replicas())
+        gate = self._gates[job.model]
+        gate.resize(runtime.batch_sequences * replicas)
+        async with gate.admitted(len(plan.prompts)) as waited:
+            result = await self._run(runtime, plan, job, replicas)
+        return result.model_copy(update={"stats": result.stats.model_copy(update={"queue_wait_s": round(waited, 4)})})
+
+    async def _run(self, runtime: ModelRuntime, plan: CompactionPlan, job: CompactJob, replicas: int) -> ServiceResult:
+        compactor = runtime.compactor
+        shape = self._placement_input(plan, job, replicas, compactor)
         placement = place(shape, job.placement, runtime.cost)
         recorder = Recorder(compactor.backend)
         result = await compactor.run(plan, routes=placement.routes(), backend=recorder)
-        return self._result(plan, placement, result, recorder, job.session_id)
+        out = self._result(plan, placement, result, recorder, job.session_id)
+        return out.model_copy(update={"stats": out.stats.model_copy(update={"coordinator": self.name})})
+
+    def _report(
+        self, job: CompactJob, outcome: OutcomeKind, stats: ServiceStats | None = None, joined: bool = False
+    ) -> None:
+        if self.metrics is None:
+            return
+        wait = stats.queue_wait_s if stats is not None else None
+        self.metrics.compaction(Outcome(job.model, job.options.strategy, outcome, wait, stats, joined))
 
     @staticmethod
     def _placement_input(plan: CompactionPlan, job: CompactJob, replicas: int, compactor: Compactor) -> PlacementInput:
@@ -201,6 +290,7 @@ class Coordinator:
             "history_prompt_tokens": history_prompt,
             "history_cached_tokens": history_cached,
             "history_cached_fraction": round(history_cached / history_prompt, 4) if history_prompt else 0.0,
+            "queue_wait_s": 0.0,
         }
         stats = ServiceStats.model_validate({**dict(result.stats), **extra})
         return ServiceResult(

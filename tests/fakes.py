@@ -16,7 +16,8 @@ Script = Callable[[GenerationRequest], tuple[str, str]]
 
 
 def short_summary(request: GenerationRequest) -> tuple[str, str]:
-    return f"summary of a {len(request.prompt_token_ids)}-token prompt.", "stop"
+    """A summary that states no salient token, so it passes the grounding check of any history."""
+    return "A short summary of the conversation.", "stop"
 
 
 class FakeBackend:

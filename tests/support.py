@@ -15,3 +15,8 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+# Admission limits of the shared real service (per model and coordinator replica; two coordinators):
+# small, so a burst of cheap compactions shows the queue and the 429s.
+SERVICE_LIMITS = {"max_concurrent_compactions": 4, "max_queued_compactions": 8}

@@ -2,15 +2,27 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.testclient import TestClient
+from starlette.exceptions import HTTPException
 
-from compaction.errors import BackendError, InvalidInput, Overloaded, UnknownModel
-from serving.api import ERRORS, BearerAuth, BodyGuard, CompactRequest, field_path, on_error, on_validation_error
+from compaction.errors import BackendError, DeadlineExceeded, InvalidInput, Overloaded, UnknownModel
+from serving.api import (
+    ERRORS,
+    BearerAuth,
+    BodyGuard,
+    CompactRequest,
+    field_path,
+    on_error,
+    on_http_error,
+    on_replica_error,
+    on_validation_error,
+)
 
 GOOD: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -18,6 +30,7 @@ GOOD: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "
 def app(max_bytes: int = 4096) -> FastAPI:
     api = FastAPI()
     api.add_exception_handler(RequestValidationError, on_validation_error)
+    api.add_exception_handler(HTTPException, on_http_error)
     for kind, *_ in ERRORS:
         api.add_exception_handler(kind, on_error)
     api.add_middleware(BodyGuard, max_bytes=max_bytes)
@@ -25,7 +38,12 @@ def app(max_bytes: int = 4096) -> FastAPI:
 
     @api.post("/v1/compact")
     async def compact(body: CompactRequest) -> dict[str, Any]:
-        raising = {"404": UnknownModel("model", "no"), "429": Overloaded("busy", 9), "503": BackendError("gone")}
+        raising = {
+            "404": UnknownModel("model", "no"),
+            "429": Overloaded("busy", 9),
+            "503": BackendError("gone"),
+            "504": DeadlineExceeded("too slow", 3),
+        }
         if body.model in raising:
             raise raising[body.model]
         return body.job(None).options.model_dump()
@@ -53,6 +71,9 @@ def test_a_good_request_reaches_the_handler_with_its_options(client: TestClient)
     response = client.post("/v1/compact", json={**GOOD, "chunk_tokens": 64, "layout": "paper"})
     assert response.status_code == 200
     assert response.json()["chunk_tokens"] == 64 and response.json()["layout"] == "paper"
+    extractive = client.post("/v1/compact", json={**GOOD, "strategy": "extractive", "grounding_threshold": 0.4})
+    assert extractive.status_code == 200
+    assert extractive.json()["strategy"] == "extractive" and extractive.json()["grounding_threshold"] == 0.4
 
 
 @pytest.mark.parametrize(
@@ -89,6 +110,9 @@ def test_an_oversize_body_without_length_is_cut_off(client: TestClient) -> None:
         ({**GOOD, "chunk_tokens": -1}, "chunk_tokens"),
         ({**GOOD, "variant": "verbose"}, "variant"),
         ({**GOOD, "placement": "nearest"}, "placement"),
+        ({**GOOD, "strategy": "abstractive"}, "strategy"),
+        ({**GOOD, "grounding_threshold": 1.5}, "grounding_threshold"),
+        ({**GOOD, "grounding_threshold": "high"}, "grounding_threshold"),
         ({**GOOD, "unexpected": 1}, "unexpected"),
     ],
 )
@@ -105,6 +129,48 @@ def test_the_error_table_sets_status_and_retry_after(client: TestClient) -> None
     assert busy.status_code == 429 and busy.headers["retry-after"] == "9"
     gone = client.post("/v1/compact", json={**GOOD, "model": "503"})
     assert gone.status_code == 503 and int(gone.headers["retry-after"]) > 0
+    late = client.post("/v1/compact", json={**GOOD, "model": "504"})
+    assert late.status_code == 504 and late.json()["error"]["type"] == "timeout_error"
+
+
+def test_a_body_nested_too_deeply_gets_a_400_in_our_shape(client: TestClient) -> None:
+    deep = b'{"model": "m", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    response = TestClient(app(max_bytes=1 << 20)).post(
+        "/v1/compact", content=deep, headers={"content-type": "application/json"}
+    )
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == "body" and "nested too deeply" in error["message"] and error["code"] == 400
+
+
+def test_framework_http_errors_use_our_shape(client: TestClient) -> None:
+    wrong_method = client.get("/v1/compact")
+    assert wrong_method.status_code == 405 and wrong_method.json()["error"]["message"]
+    assert client.get("/nowhere").json()["error"]["code"] == 404
+
+
+def test_an_oversize_body_is_read_to_its_end_before_the_413() -> None:
+    received: list[int] = []
+    body = [b"[" + b"1," * 2000, *([b"1," * 2000] * 20), b"1]"]
+
+    async def receive() -> dict[str, Any]:
+        part = body[len(received)]
+        received.append(len(part))
+        return {"type": "http.request", "body": part, "more_body": len(received) < len(body)}
+
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    async def never(*_: Any) -> None:
+        raise AssertionError("the handler must not run")
+
+    guard = BodyGuard(never, max_bytes=4096)
+    scope = {"type": "http", "method": "POST", "path": "/v1/compact", "headers": [(b"content-length", b"84003")]}
+    asyncio.run(guard(scope, receive, send))  # type: ignore[arg-type]
+    assert len(received) == len(body)  # every part read, though the limit was passed after the first two
+    assert sent[0]["status"] == 413
 
 
 def test_invalid_input_raised_inside_names_its_field() -> None:
@@ -133,3 +199,23 @@ def test_session_header_is_used_when_the_body_names_none() -> None:
     assert request.job("from-header").session_id == "from-header"
     assert CompactRequest.model_validate({**GOOD, "session_id": "body"}).job("header").session_id == "body"
     assert request.job(None).session_id is None
+
+
+@pytest.mark.parametrize(
+    ("cause", "status", "needle"), [(KeyError("role"), 400, "chat template"), (RuntimeError("CUDA"), 503, "retry")]
+)
+def test_errors_inside_a_model_replica_never_leak_rays_text(cause: Exception, status: int, needle: str) -> None:
+    from ray.exceptions import RayTaskError
+
+    api = app()
+    api.add_exception_handler(RayTaskError, on_replica_error)
+
+    @api.post("/v1/chat/completions")
+    async def chat() -> None:
+        raise RayTaskError(
+            "ServeReplica:LLMServer.handle_request", "Traceback: ray::internal", cause
+        ).as_instanceof_cause()
+
+    response = TestClient(api).post("/v1/chat/completions", json={})
+    assert response.status_code == status and needle in response.json()["error"]["message"]
+    assert "ray::" not in response.text and "Traceback" not in response.text

@@ -9,11 +9,13 @@ from pydantic import ValidationError
 
 from compaction.errors import InvalidInput
 from serving.models import ModelSpec, load_catalogue
-from serving.sizing import GIB, H100_80GB_GIB, gpu_fit
+from serving.sizing import GIB, H100_80GB_GIB, H100_NVL_GIB, gpu_fit
 
 CATALOGUE = load_catalogue()
 GPU_MODELS = [m for m in CATALOGUE.models if m.device == "gpu"]
 PAPER_MODELS = {"llama-3.1-8b-instruct", "gpt-oss-20b", "gpt-oss-120b", "llama-3.3-70b-instruct"}
+# The 70B on the paper's own hardware: an Azure H100 NVL pair (cluster/azure-h100.yaml).
+NVL_70B = "llama-3.3-70b-instruct-nvl"
 # The paper's largest compaction threshold: a history of 96k tokens goes into one prompt.
 PAPER_MAX_HISTORY_TOKENS = 96 * 1024
 
@@ -35,7 +37,7 @@ def gpu_spec(**fields: object) -> ModelSpec:
 
 
 def test_the_paper_models_are_the_gpu_entries() -> None:
-    assert {m.name for m in GPU_MODELS} == PAPER_MODELS
+    assert {m.name for m in GPU_MODELS} == PAPER_MODELS | {NVL_70B}
 
 
 @pytest.mark.parametrize("spec", GPU_MODELS, ids=lambda m: m.name)
@@ -64,8 +66,9 @@ def test_llm_config_asks_for_tp_h100s_on_one_node(spec: ModelSpec) -> None:
 def test_weights_and_a_full_length_kv_sequence_fit_each_h100(spec: ModelSpec) -> None:
     fit = gpu_fit(spec)
     assert fit.weights_gib + fit.reserve_gib + fit.kv_gib == pytest.approx(fit.budget_gib)
-    assert fit.budget_gib <= H100_80GB_GIB
+    assert fit.budget_gib <= fit.device_gib == (spec.device_memory_gib or H100_80GB_GIB)
     assert fit.fits, fit.row()
+    assert spec.max_model_len == 131072, "the paper's tau range needs the full window on every model"
 
 
 def test_sizing_arithmetic_on_round_numbers() -> None:
@@ -99,11 +102,31 @@ def test_llama_70b_in_bf16_cannot_hold_the_papers_longest_history_on_two_h100s()
     assert gpu_fit(CATALOGUE.get("llama-3.3-70b-instruct")).kv_tokens > 2 * PAPER_MAX_HISTORY_TOKENS
 
 
-def test_gpt_oss_120b_at_vllm_defaults_leaves_no_kv_on_one_h100() -> None:
-    # Why the catalogue raises its utilization to 0.95 and caps max_model_len at 80k.
-    defaults = CATALOGUE.get("gpt-oss-120b").model_copy(update={"gpu_memory_utilization": 0.9, "max_model_len": 131072})
-    assert gpu_fit(defaults).kv_tokens == 0
-    assert not gpu_fit(CATALOGUE.get("gpt-oss-120b").model_copy(update={"max_model_len": 131072})).fits
+def test_gpt_oss_120b_serves_its_full_window_on_one_h100_from_the_cited_figures() -> None:
+    # GitLab's vLLM guide: at 0.95, 61 GB weights + 2 GB overhead leave 13 GB of KV, ~370k tokens at ~36 KB.
+    spec = CATALOGUE.get("gpt-oss-120b")
+    fit = gpu_fit(spec)
+    assert (spec.tensor_parallel_size, spec.max_model_len, spec.gpu_memory_utilization) == (1, 131072, 0.95)
+    assert spec.weights_gib == pytest.approx(61e9 / GIB, abs=0.05) and spec.runtime_reserve_gib == pytest.approx(
+        2e9 / GIB, abs=0.05
+    )
+    assert fit.fits and fit.kv_tokens > 2 * spec.max_model_len
+    # The figures they replace (64.4 GiB loaded weights + a 7.5 GiB reserve) capped the window below 96k...
+    old = spec.model_copy(update={"weights_gib": 64.4, "runtime_reserve_gib": 7.5})
+    assert gpu_fit(old).kv_tokens < 96 * 1024
+    # ...while the window fits even with the old weight figure once the overhead is the guide's 2 GB.
+    assert gpu_fit(spec.model_copy(update={"weights_gib": 64.4})).fits
+
+
+def test_llama_70b_on_an_h100_nvl_pair_keeps_bf16_weights_with_an_fp8_kv_cache() -> None:
+    spec = CATALOGUE.get(NVL_70B)
+    assert spec.device_memory_gib == H100_NVL_GIB and spec.quantization is None and spec.kv_cache_dtype == "fp8"
+    fit = gpu_fit(spec)
+    assert fit.weights_gib == pytest.approx(70.55e9 * 2 / GIB / 2, abs=0.1) and fit.fits, fit.row()
+    # bf16 KV would not hold the window on 2 x 94 GB; on 2 x 80 GB even fp8 KV cannot hold bf16 weights' 96k history.
+    assert not gpu_fit(spec.model_copy(update={"kv_cache_dtype": "auto"})).fits
+    assert gpu_fit(spec.model_copy(update={"kv_cache_dtype": "auto", "max_model_len": 98304 + 8192})).fits
+    assert gpu_fit(spec, device_gib=H100_80GB_GIB).kv_tokens < PAPER_MAX_HISTORY_TOKENS
 
 
 def test_sliding_window_layers_are_counted_per_sequence_not_per_token() -> None:

@@ -17,6 +17,7 @@ from compaction.errors import (
     BackendError,
     CompactionError,
     ContextOverflow,
+    DeadlineExceeded,
     InvalidInput,
     ModelNotAvailable,
     Overloaded,
@@ -25,8 +26,10 @@ from compaction.errors import (
 from compaction.history import parse_messages, render_history
 from compaction.options import CompactionOptions
 from compaction.tokenizer import HFChatTokenizer
-from serving.coordinator import CompactJob, Coordinator, Failure, ModelRuntime
+from serving.admission import GateState
+from serving.coordinator import AdmissionConfig, CompactJob, Coordinator, Failure, ModelRuntime
 from serving.dispatch import ReplicaBackend, ReplicaFailed
+from serving.metrics import Outcome
 from serving.routing import RouteKey, order_replicas
 from tests.fakes import FakeBackend
 
@@ -72,19 +75,40 @@ def history(turns: int = 60) -> list[dict[str, str]]:
     return out
 
 
-def coordinator(tokenizer: HFChatTokenizer, replicas: FakeReplicas, **kw: Any) -> Coordinator:
+class Sink:
+    """Records what the coordinator reports to metrics."""
+
+    def __init__(self) -> None:
+        self.outcomes: list[Outcome] = []
+        self.states: list[GateState] = []
+
+    def compaction(self, outcome: Outcome) -> None:
+        self.outcomes.append(outcome)
+
+    def queue(self, model: str, state: GateState) -> None:
+        self.states.append(state)
+
+
+def coordinator(
+    tokenizer: HFChatTokenizer, replicas: FakeReplicas, sink: Sink | None = None, batch: int = 128, **kw: Any
+) -> Coordinator:
     compactor = Compactor(tokenizer, replicas, context_window=8192, block_size=16)
-    return Coordinator({MODEL: ModelRuntime(compactor, replicas.count)}, **kw)
+    runtime = ModelRuntime(compactor, replicas.count, batch_sequences=batch)
+    return Coordinator({MODEL: runtime}, AdmissionConfig(**kw), sink)
 
 
-def job(messages: list[dict[str, str]], placement: str = "auto", **options: Any) -> CompactJob:
+def job(
+    messages: list[dict[str, str]], placement: str = "auto", session: str = "s1", timeout_s: float | None = None,
+    **options: Any,
+) -> CompactJob:  # fmt: skip
     opts = CompactionOptions.parse({"chunk_tokens": 256, "max_chunk_summary_tokens": 16, **options})
     return CompactJob(
         model=MODEL,
         messages=parse_messages(messages),
         options=opts,
-        session_id="s1",
+        session_id=session,
         placement=placement,  # type: ignore[arg-type]
+        timeout_s=timeout_s,
     )
 
 
@@ -146,23 +170,83 @@ async def test_unknown_model_and_bad_options_are_refused(tokenizer: HFChatTokeni
     assert err.value.field == "keep_recent_tokens"
 
 
-async def test_compactions_over_the_limit_are_told_to_retry(tokenizer: HFChatTokenizer) -> None:
-    gate = asyncio.Event()
-    coord = coordinator(tokenizer, FakeReplicas(gate=gate), max_concurrent=1)
-    first = asyncio.create_task(coord.compact(job(history())))
+async def test_compactions_beyond_the_capacity_queue_and_beyond_the_queue_are_told_to_retry(
+    tokenizer: HFChatTokenizer,
+) -> None:
+    gate, sink = asyncio.Event(), Sink()
+    coord = coordinator(tokenizer, FakeReplicas(gate=gate), sink, batch=4, max_queued=2)
+    chunks = len(coord.runtime(MODEL).compactor.plan(job(history()).messages, job(history()).options).prompts)
+    assert chunks > 8  # more than the capacity of 2 replicas x 4: it runs alone
+    first = asyncio.create_task(coord.compact(job(history(), session="a")))
     await asyncio.sleep(0.05)
-    with pytest.raises(Overloaded) as err:
-        await coord.compact(job(history()))
-    assert err.value.retry_after_s > 0
+    queued = [asyncio.create_task(coord.compact(job(history(), session=s))) for s in ("b", "c")]
+    await asyncio.sleep(0.05)
+    assert coord.gate(MODEL).state() == GateState(running=1, running_sequences=chunks, queued=2, capacity=8)
+    with pytest.raises(Overloaded, match="max_queued_compactions = 2") as err:
+        await coord.compact(job(history(), session="d"))
+    assert err.value.retry_after_s >= 1
     gate.set()
-    assert (await first).stats.chunks > 1
+    results = [await first, *[await q for q in queued]]
+    assert all(r.stats.chunks == chunks for r in results)
+    assert results[0].stats.queue_wait_s < 0.05 < min(r.stats.queue_wait_s for r in results[1:])
+    assert [o.outcome for o in sink.outcomes].count("overloaded") == 1
+    assert [o.outcome for o in sink.outcomes].count("ok") == 3
+    assert max(s.queued for s in sink.states) == 2 and sink.states[-1] == GateState(0, 0, 0, 8)
 
 
-async def test_a_compaction_past_its_deadline_fails_cleanly(tokenizer: HFChatTokenizer) -> None:
-    coord = coordinator(tokenizer, FakeReplicas(gate=asyncio.Event()), timeout_s=0.1)
-    with pytest.raises(BackendError, match="did not finish"):
-        await coord.compact(job(history()))
-    assert coord._active == 0
+async def test_small_compactions_share_the_capacity(tokenizer: HFChatTokenizer) -> None:
+    gate = asyncio.Event()
+    coord = coordinator(tokenizer, FakeReplicas(gate=gate), batch=10)  # 20 sequences over two replicas
+    short = history(8)  # one chunk each
+    tasks = [asyncio.create_task(coord.compact(job(short, session=str(i), chunk_tokens=4096))) for i in range(25)]
+    await asyncio.sleep(0.05)
+    assert coord.gate(MODEL).state() == GateState(running=20, running_sequences=20, queued=5, capacity=20)
+    gate.set()
+    assert len(await asyncio.gather(*tasks)) == 25
+
+
+async def test_identical_concurrent_compactions_of_a_session_run_once(tokenizer: HFChatTokenizer) -> None:
+    gate, sink = asyncio.Event(), Sink()
+    replicas = FakeReplicas(gate=gate)
+    coord = coordinator(tokenizer, replicas, sink)
+    same = [asyncio.create_task(coord.compact(job(history(), timeout_s=t))) for t in (30, 60)]
+    other = asyncio.create_task(coord.compact(job(history(), session="s2")))
+    await asyncio.sleep(0.05)
+    gate.set()
+    a, b, c = await same[0], await same[1], await other
+    assert a.summary == b.summary and a.stats.per_chunk == b.stats.per_chunk
+    assert (a.stats.shared, b.stats.shared, c.stats.shared) == (False, True, False)
+    assert len(replicas.served) == 2 * a.stats.chunks  # the session's run and s2's, nothing more
+    assert [o.joined for o in sink.outcomes] == [False, True, False]
+
+
+async def test_a_shared_run_is_cancelled_only_when_its_last_caller_leaves(tokenizer: HFChatTokenizer) -> None:
+    gate = asyncio.Event()
+    replicas = FakeReplicas(gate=gate)
+    coord = coordinator(tokenizer, replicas)
+    callers = [asyncio.create_task(coord.compact(job(history()))) for _ in range(2)]
+    await asyncio.sleep(0.05)
+    callers[0].cancel()
+    await asyncio.sleep(0.05)
+    assert coord.gate(MODEL).state().running == 1  # the other caller still waits for it
+    callers[1].cancel()
+    await asyncio.sleep(0.05)
+    assert coord.gate(MODEL).state() == GateState(0, 0, 0, coord.gate(MODEL).limits.capacity)
+    gate.set()
+    await asyncio.sleep(0.05)
+    assert replicas.served == []  # no chunk prompt went out after the cancellation
+
+
+async def test_a_compaction_past_its_deadline_is_cancelled_with_a_504_error(tokenizer: HFChatTokenizer) -> None:
+    sink = Sink()
+    coord = coordinator(tokenizer, FakeReplicas(gate=asyncio.Event()), sink)
+    with pytest.raises(DeadlineExceeded, match=r"timeout_s = 0\.1 s") as err:
+        await coord.compact(job(history(), timeout_s=0.1))
+    assert err.value.timeout_s == 0.1
+    assert coord.gate(MODEL).state().running == 0 and sink.outcomes[-1].outcome == "timeout"
+    default = coordinator(tokenizer, FakeReplicas(gate=asyncio.Event()), timeout_s=0.05)
+    with pytest.raises(DeadlineExceeded, match=r"0\.05"):
+        await default.compact(job(history()))
 
 
 @pytest.mark.parametrize(
@@ -173,6 +257,7 @@ async def test_a_compaction_past_its_deadline_fails_cleanly(tokenizer: HFChatTok
         InvalidInput("chunk_tokens", "too small"),
         Overloaded("busy", 7.0),
         BackendError("replica died"),
+        DeadlineExceeded("too slow", 2.5),
         ModelNotAvailable("offline"),
     ],
 )
@@ -181,6 +266,7 @@ def test_failures_cross_a_process_boundary_intact(error: CompactionError) -> Non
     assert type(back) is type(error) and str(back) == str(error)
     assert getattr(back, "field", None) == getattr(error, "field", None)
     assert getattr(back, "retry_after_s", None) == getattr(error, "retry_after_s", None)
+    assert getattr(back, "timeout_s", None) == getattr(error, "timeout_s", None)
 
 
 class ScriptedReplicaBackend(ReplicaBackend):

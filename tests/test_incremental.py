@@ -26,12 +26,15 @@ SYSTEM = [{"role": "system", "content": "You are a travel agent."}]
 
 
 def numbered(request: GenerationRequest) -> tuple[str, str]:
-    return f"Summary {len(request.prompt_token_ids)}.", "stop"
+    return f"Summary {len(request.prompt_token_ids)}.", "stop"  # states a number: checked with grounding off
 
 
 def make(tokenizer: HFChatTokenizer, cache: ChunkCache | None = None) -> tuple[Compactor, FakeBackend]:
     backend = FakeBackend(block_size=16, script=numbered)
     return Compactor(tokenizer, backend, context_window=8192, block_size=16, cache=cache), backend
+
+
+OPTIONS = {"chunk_tokens": 128, "grounding_threshold": 0}
 
 
 def test_fixed_borders_stay_borders() -> None:
@@ -44,7 +47,7 @@ def test_fixed_borders_stay_borders() -> None:
 async def test_a_grown_history_summarises_only_its_new_chunks(tokenizer: HFChatTokenizer) -> None:
     cache = ChunkCache()
     compactor, backend = make(tokenizer, cache)
-    options = {"chunk_tokens": 128}
+    options = OPTIONS
     first = await compactor.compact(SYSTEM + turns(0, 30), options)
     old = first.stats.chunks
     assert first.stats.reused_chunks == 0 and len(backend.requests) == old > 3 and len(cache) == old
@@ -59,12 +62,12 @@ async def test_a_grown_history_summarises_only_its_new_chunks(tokenizer: HFChatT
 
 async def test_other_options_or_an_edited_history_are_not_reused(tokenizer: HFChatTokenizer) -> None:
     compactor, _ = make(tokenizer, ChunkCache())
-    await compactor.compact(SYSTEM + turns(0, 30), {"chunk_tokens": 128})
-    concise = await compactor.compact(SYSTEM + turns(0, 30), {"chunk_tokens": 128, "variant": "concise"})
+    await compactor.compact(SYSTEM + turns(0, 30), OPTIONS)
+    concise = await compactor.compact(SYSTEM + turns(0, 30), {**OPTIONS, "variant": "concise"})
     assert concise.stats.reused_chunks == 0
     edited = SYSTEM + turns(0, 30)
     edited[3] = {"role": "user", "content": "Turn 1: actually, cancel trip 1."}
-    again = await compactor.compact(edited, {"chunk_tokens": 128})
+    again = await compactor.compact(edited, OPTIONS)
     assert again.stats.reused_chunks == 0  # every chunk's prompt holds the edited message or follows it
 
 
@@ -90,15 +93,15 @@ def test_the_cache_is_bounded() -> None:
 
 async def test_an_earlier_summary_is_carried_verbatim(tokenizer: HFChatTokenizer) -> None:
     compactor, backend = make(tokenizer)
-    first = await compactor.compact(SYSTEM + turns(0, 30), {"chunk_tokens": 128})
+    first = await compactor.compact(SYSTEM + turns(0, 30), OPTIONS)
     assert is_summary(first.messages[1]) and first.kept_head == 1
     history = [m.model_dump(exclude_none=True) for m in first.messages] + turns(30, 45)
     sent = len(backend.requests)
-    second = await compactor.compact(history, {"chunk_tokens": 128})
+    second = await compactor.compact(history, OPTIONS)
     assert second.messages[1] == parse_messages([history[1]])[0]  # carried as it was, word for word
     assert is_summary(second.messages[2]) and second.messages[2].text().startswith(SUMMARY_HEADER)
     assert second.kept_head == 2 and second.stats.carried_summary_tokens > 0
-    rendered = compactor.plan(history, {"chunk_tokens": 128}).history
+    rendered = compactor.plan(history, OPTIONS).history
     after_summary = rendered.message_starts[2]
     assert all(c.start >= after_summary for c in second.stats.per_chunk)  # never summarised again
     assert len(backend.requests) - sent == second.stats.chunks
@@ -106,11 +109,11 @@ async def test_an_earlier_summary_is_carried_verbatim(tokenizer: HFChatTokenizer
 
 async def test_summaries_past_the_carry_limit_are_summarised_again_on_their_own(tokenizer: HFChatTokenizer) -> None:
     compactor, _ = make(tokenizer)
-    first = await compactor.compact(SYSTEM + turns(0, 30), {"chunk_tokens": 128})
+    first = await compactor.compact(SYSTEM + turns(0, 30), OPTIONS)
     history = [m.model_dump(exclude_none=True) for m in first.messages] + turns(30, 45)
-    plan = compactor.plan(history, {"chunk_tokens": 128, "carry_summary_tokens": 8})
+    plan = compactor.plan(history, {**OPTIONS, "carry_summary_tokens": 8})
     starts = plan.history.message_starts
     assert plan.kept_head == 1 and plan.carried_tokens == 0
     assert plan.span[0] == starts[1] and starts[2] in [c.end for c in plan.chunks]  # a border after the summary
-    second = await compactor.compact(history, {"chunk_tokens": 128, "carry_summary_tokens": 8})
+    second = await compactor.compact(history, {**OPTIONS, "carry_summary_tokens": 8})
     assert sum(is_summary(m) for m in second.messages) == 1

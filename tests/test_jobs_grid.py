@@ -19,16 +19,22 @@ def test_paper_grid_parses_and_expands_to_the_papers_cell_count() -> None:
     config = load_config(CONFIGS / "paper.yaml")
     expansion = expand(config, CATALOGUE)
     per_block = Counter(c.experiment for c in expansion.cells)
-    # qa_grid: 4 models x 2 datasets x (sequential + 4 parallel chunk sizes) x 6 taus x 3 variants = 720,
-    # minus gpt-oss-120b's taus 80k/96k (its one-H100 window is 81,920): 2 x 5 x 2 x 3 = 60 dropped.
-    assert per_block["qa_grid"] == 4 * 2 * 5 * 6 * 3 - 60 == 660
-    dropped = Counter(c.experiment for c, _ in expansion.dropped)
-    assert dropped["qa_grid"] == 60
-    assert all(c.model == "gpt-oss-120b" for c, _ in expansion.dropped)
-    # (a) 4 models x 7 sizes x 3 variants, minus gpt-oss-120b's largest snapshot; (b) 4 x 3 variants x 5 repeats
-    assert per_block["output_length"] == 84 - 3 and per_block["stability"] == 60
+    # qa_grid: 4 models x 2 datasets x (sequential + 4 parallel chunk sizes) x 6 taus x 3 variants = 720, none dropped:
+    # every model serves 131,072 tokens (gpt-oss-120b on one H100 too), and tau 96k + summary + headroom needs 110,592.
+    assert per_block["qa_grid"] == 4 * 2 * 5 * 6 * 3 == 720
+    assert expansion.dropped == []
+    # (a) 4 models x 7 sizes x 3 variants; (b) 4 x 3 variants x 5 repeats
+    assert per_block["output_length"] == 84 and per_block["stability"] == 60
+    assert {c.tau for c in expansion.cells if c.model == "gpt-oss-120b" and c.kind == "agent"} == {
+        16384,
+        32768,
+        49152,
+        65536,
+        81920,
+        98304,
+    }
     grid = [c for c in expansion.cells if c.experiment == "qa_grid"]
-    assert {c.model for c in grid} == set(config.models) and len({c.cell_id for c in expansion.cells}) == 801
+    assert {c.model for c in grid} == set(config.models) and len({c.cell_id for c in expansion.cells}) == 864
     assert {(c.strategy, c.chunk_tokens) for c in grid} == {("sequential", None)} | {
         ("parallel", b) for b in (16384, 8192, 4096, 2048)
     }
@@ -47,7 +53,11 @@ def test_cpu_smoke_covers_every_family() -> None:
     shapes = {(c.strategy, c.chunk_tokens) for c in cells if c.experiment == "chunking"}
     assert ("sequential", None) in shapes and len(shapes) >= 3
     assert all(c.fixed_output_tokens for c in cells if c.experiment == "chunking")
-    assert {c.dataset for c in cells} == {"locomo", "hotpotqa", "locomo_mc"}
+    assert {c.dataset for c in cells} == {"locomo", "hotpotqa", "locomo_mc", "coding"}
+    retention = [c for c in cells if c.experiment == "retention"]
+    assert {(c.dataset, c.strategy) for c in retention} == {
+        (d, s) for d in ("coding", "locomo") for s in ("parallel", "sequential", "extractive")
+    }
     assert all(c.judge_model == c.model for c in cells if c.kind == "agent")  # one CPU model: flagged in rows
 
 
@@ -79,6 +89,16 @@ BASE = {
         ({"experiments": [{**BASE["experiments"][0], "variants": ["short"]}]}, "experiments.0.variants.0"),
         ({"experiments": [BASE["experiments"][0]] * 2}, "experiment names repeat"),
         ({"backend": {"kind": "service"}}, "needs backend.base_url"),
+        ({"experiments": [{"name": "r", "kind": "retention", "datasets": ["coding"]}]}, "needs input_tokens"),
+        (
+            {"experiments": [{"name": "r", "kind": "retention", "datasets": ["hotpotqa"], "input_tokens": [9]}]},
+            "coding traces and LoCoMo",
+        ),
+        ({"experiments": [{**BASE["experiments"][0], "datasets": ["coding"]}]}, "coding traces are for retention"),
+        (
+            {"experiments": [{**BASE["experiments"][0], "grounding_thresholds": [1.5]}]},
+            "grounding_thresholds must lie in [0, 1]",
+        ),
     ],
 )
 def test_bad_configs_name_the_field(tmp_path: Path, change: dict, problem: str) -> None:
@@ -117,3 +137,46 @@ def test_scheduler_runs_blocks_in_order_with_their_concurrency() -> None:
         for cell in batch:
             scheduler.finish(cell)
     assert seen == [c.experiment for c in cells]  # config order, every cell once
+
+
+def test_retention_axes_and_which_cells_need_the_window() -> None:
+    block = {
+        "name": "ret",
+        "kind": "retention",
+        "datasets": ["coding"],
+        "strategies": ["sequential", "parallel", "extractive"],
+        "layouts": ["prefix_exact", "independent"],
+        "chunk_tokens": [1024],
+        "input_tokens": [4000, 20000],
+        "grounding_thresholds": [0.5, 0.9],
+    }
+    expansion = expand(SweepConfig.model_validate({**BASE, "experiments": [block]}), CATALOGUE)
+    kept = {(c.strategy, c.layout, c.input_tokens, c.grounding_threshold) for c in expansion.cells}
+    # 20k tokens exceed the 8k window only where the prompt carries the history before the chunk
+    assert {(s, layout, size) for s, layout, size, _ in kept} == {
+        ("sequential", "sequential", 4000),
+        ("parallel", "prefix_exact", 4000),
+        ("parallel", "independent", 4000),
+        ("parallel", "independent", 20000),
+        ("extractive", "extractive", 4000),
+        ("extractive", "extractive", 20000),
+    }
+    assert {t for *_, t in kept} == {0.5, 0.9}
+    assert {(c.strategy, c.layout) for c, _ in expansion.dropped} == {
+        ("sequential", "sequential"),
+        ("parallel", "prefix_exact"),
+    }
+    cell = next(c for c in expansion.cells if c.strategy == "extractive")
+    assert cell.cell_id.startswith(f"ret-coding-ext1024-in4000-default-g{cell.grounding_threshold:g}-r0-")
+    assert cell.compaction_options().strategy == "extractive"
+    assert cell.compaction_options().grounding_threshold == cell.grounding_threshold
+    assert cell.model_copy(update={"grounding_threshold": 0.1}).cell_id != cell.cell_id
+    unset = cell.model_copy(update={"grounding_threshold": None})
+    assert unset.compaction_options().grounding_threshold == 0.7  # the option's default
+
+
+def test_cells_without_a_threshold_keep_the_ids_they_had_before_it_existed() -> None:
+    cells = expand(load_config(CONFIGS / "cpu-smoke.yaml"), CATALOGUE).cells
+    ids = {c.cell_id for c in cells}  # finished results of earlier sweeps are still recognised
+    assert "output_length-locomo-seq-in512-concise-r0-bcefee9d53" in ids
+    assert "mc-locomo_mc-par128-tau256-default-r0-bec15a0c3c" in ids

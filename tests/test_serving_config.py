@@ -19,6 +19,7 @@ def test_app_args_have_safe_defaults_and_refuse_unknown_keys() -> None:
     args = AppArgs()
     assert args.models == ["smollm2-135m-instruct"] and args.catalogue is None
     assert args.api_key_env == "COMPACTION_API_KEY" and args.max_request_bytes > 1_000_000
+    assert args.coordinator_replicas == 2 and args.max_concurrent_compactions is None  # sized by the engines
     bad_args = (
         {"modelz": ["x"]},
         {"models": []},
@@ -26,6 +27,8 @@ def test_app_args_have_safe_defaults_and_refuse_unknown_keys() -> None:
         {"cost": {"other": {}}},
         {"replicas": {"other": {}}},
         {"replicas": {"smollm2-135m-instruct": {"min": 3, "max": 2}}},
+        {"coordinator_replicas": 0},
+        {"max_queued_compactions": -1},
     )
     for bad in bad_args:
         with pytest.raises(ValueError, match=r"invalid serving\.app args"):
@@ -59,5 +62,6 @@ def test_the_local_serve_config_is_valid(ray_cluster: None) -> None:
     (app,) = config.applications
     assert app.import_path == "serving.app:build_app" and app.route_prefix == "/"
     assert config.http_options.host == "127.0.0.1"
-    assert AppArgs.model_validate(app.args).models == ["smollm2-135m-instruct"]
+    args = AppArgs.model_validate(app.args)
+    assert args.models == ["smollm2-135m-instruct"] and args.coordinator_replicas >= 2
     assert build_app(app.args) is not None

@@ -113,12 +113,12 @@ def matched_options(
 ) -> CompactionOptions:
     """The options with a whole-compaction budget split evenly over this history's chunks.
 
-    Sequential gets all of it in its one prompt; parallel with N chunks gets budget // N per
-    chunk (at least 16), so every strategy decodes about the same volume (matched decode volume).
+    Sequential gets all of it in its one prompt; parallel (and extractive) with N chunks gets
+    budget // N per chunk (at least 16), so every strategy writes about the same volume.
     """
     chunks = 1
-    if options.strategy == "parallel":
-        chunks = len(compactor.plan(history, options).prompts)
+    if options.strategy != "sequential":
+        chunks = len(compactor.plan(history, options).chunks)
     per_chunk = max(MIN_CHUNK_SUMMARY_TOKENS, summary_tokens // chunks)
     return options.model_copy(update={"max_chunk_summary_tokens": per_chunk})
 

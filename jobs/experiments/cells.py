@@ -1,7 +1,9 @@
 """Running one cell of a sweep into result rows. Plain async code over `Backend` (no Ray here).
 
 `summary` cells compact one LoCoMo snapshot of a given size; `agent` cells run the agent
-pipeline over a dataset stream, then score every answer (deterministic metrics and the judge).
+pipeline over a dataset stream, then score every answer (deterministic metrics and the judge);
+`retention` cells compact a history with known facts and measure what survived
+(`jobs.experiments.retention`).
 """
 
 from __future__ import annotations
@@ -26,8 +28,10 @@ from jobs.agent.pipeline import AgentPipeline, AgentSettings, AgentTokenizer, Ep
 from jobs.data.conversations import locomo_messages, truncate_history
 from jobs.data.datasets import LocomoSample, load_hotpotqa, load_locomo, load_locomo_mc
 from jobs.data.episodes import Question, Step, hotpotqa_steps, locomo_mc_steps, locomo_steps
+from jobs.data.facts import KnownHistory, coding_history, locomo_history
 from jobs.experiments.grid import Cell
 from jobs.experiments.results import to_table
+from jobs.experiments.retention import fact_rows, grounding_columns, recall, totals
 
 
 @dataclass(frozen=True)
@@ -121,6 +125,41 @@ async def summary_rows(
     result = await compactor.compact(history, options)
     row = {**base_row(cell, access, cold), "event": "summary", **_compaction_columns(result.stats)}
     return [{**row, "summary_text": result.summary}]
+
+
+def known_history(cell: Cell, paths: dict[str, str], tokenizer: AgentTokenizer) -> KnownHistory:
+    """A coding trace (seed = repeat) or a LoCoMo conversation (the repeat-th from sample_id) of the cell's size."""
+    size = cell.input_tokens or 0
+    if cell.dataset == "coding":
+        return coding_history(cell.repeat, size, tokenizer)
+    samples = load_locomo(paths["locomo"])
+    start = next((i for i, s in enumerate(samples) if s.sample_id == cell.sample_id), 0)
+    return locomo_history(samples[(start + cell.repeat) % len(samples)], size, tokenizer)
+
+
+async def retention_rows(
+    cell: Cell, paths: dict[str, str], access: ModelAccess, backend: Backend, judge: ModelAccess | None, cold: bool
+) -> list[dict[str, Any]]:
+    """One `retention` row (the compaction, its grounding, recall totals) and one `fact` row per known fact."""
+    tokenizer = load_tokenizer(access.tokenizer_path)
+    known = known_history(cell, paths, tokenizer)
+    compactor = Compactor(tokenizer, backend, context_window=access.context_window, block_size=access.block_size)
+    history = parse_messages(known.messages)
+    plan = compactor.plan(history, matched_options(compactor, history, cell.compaction_options(), cell.summary_tokens))
+    result = await compactor.run(plan)
+    facts = [f for f in known.facts if plan.kept_head <= f.message_index < plan.kept_tail_from]
+    grader = Judge(load_tokenizer(judge.tokenizer_path), judge.backend_factory()) if judge else None
+    try:
+        window, budget = access.context_window, cell.answer_tokens
+        results = await recall(facts, result.messages, tokenizer, backend, grader, window, budget)
+    finally:
+        if grader is not None:
+            await close(grader.backend)
+    stats = result.stats
+    base = {**base_row(cell, access, cold), "label": known.label, "grounding_threshold": stats.grounding_threshold}
+    measured = {**_compaction_columns(stats), **grounding_columns(stats), **totals(results)}
+    rows = [{**base, "event": "retention", **measured, "summary_text": result.summary}]
+    return rows + [{**base, **row} for row in fact_rows(results, judge.name if judge else None, cell.model)]
 
 
 def build_steps(cell: Cell, paths: dict[str, str]) -> list[Step]:
@@ -233,6 +272,8 @@ async def run_cell(
             cold = True
         if cell.kind == "summary":
             rows = await summary_rows(cell, paths, agent, backend, cold)
+        elif cell.kind == "retention":
+            rows = await retention_rows(cell, paths, agent, backend, judge, cold)
         else:
             rows = await agent_rows(cell, paths, agent, backend, judge, cold)
     finally:

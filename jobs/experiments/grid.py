@@ -1,9 +1,11 @@
 """Sweep configuration: a pydantic-validated YAML grid, expanded into cells with stable ids.
 
-A cell is one unit of work and one atomic result file: either one compaction of a fixed
-snapshot (`summary` experiments: output length, stability) or one agent run over a dataset
-stream (`agent` experiments: τ and chunking sweeps, QA quality). Its id hashes every parameter
-that changes its result, so a re-run recognises what is already done.
+A cell is one unit of work and one atomic result file: one compaction of a fixed snapshot
+(`summary` experiments: output length, stability), one agent run over a dataset stream (`agent`
+experiments: τ and chunking sweeps, QA quality), or one compaction of a history with known
+content (`retention` experiments: which planted facts or QA evidence survive, and whether the
+summary invented anything). Its id hashes every parameter that changes its result, so a re-run
+recognises what is already done.
 """
 
 from __future__ import annotations
@@ -18,12 +20,15 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from compaction.errors import InvalidInput
-from compaction.options import CompactionOptions, Layout, Strategy, Variant
+from compaction.options import GROUNDING_THRESHOLD, CompactionOptions, Layout, Strategy, Variant
 from jobs.agent.judge import pick_judge
 from serving.models import Catalogue
 
-Kind = Literal["summary", "agent"]
-DatasetName = Literal["hotpotqa", "locomo", "locomo_mc"]
+Kind = Literal["summary", "agent", "retention"]
+DatasetName = Literal["hotpotqa", "locomo", "locomo_mc", "coding"]
+GENERATED: frozenset[str] = frozenset({"coding"})  # made by jobs.data.traces, no file to read
+# Layouts whose prompts carry the history before the chunk: they need the whole snapshot within the window.
+WINDOWED_LAYOUTS = frozenset({"sequential", "prefix_exact", "prefix_exact_marked", "paper", "shared_full"})
 FIXTURES = Path(__file__).resolve().parents[1] / "data" / "fixtures"
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -67,15 +72,31 @@ class Experiment(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     name: str = Field(pattern=r"^[a-z0-9_]+$", description="Block name; prefixes its cells' ids.")
-    kind: Kind = Field(description="summary: compact a fixed snapshot; agent: run the agent over a stream.")
-    datasets: list[DatasetName] = Field(min_length=1, description="summary experiments read LoCoMo only.")
+    kind: Kind = Field(
+        description="summary: compact a fixed snapshot; agent: run the agent over a stream; retention: compact a "
+        "history with known facts (coding traces, LoCoMo QA evidence) and measure what survives."
+    )
+    datasets: list[DatasetName] = Field(
+        min_length=1, description="summary: LoCoMo only; retention: coding and/or locomo; agent: the QA sets."
+    )
     strategies: list[Strategy] = Field(["parallel"], min_length=1)
     chunk_tokens: list[int] = Field([2048], min_length=1, description="Chunk sizes B (parallel only).")
     layouts: list[Layout] = Field(["prefix_exact"], min_length=1, description="Chunk prompt layouts (parallel).")
     variants: list[Variant] = Field(["default"], min_length=1)
     taus: list[int] | None = Field(None, description="agent: compaction thresholds τ in tokens.")
-    input_tokens: list[int] | None = Field(None, description="summary: snapshot sizes in tokens.")
-    repeats: int = Field(1, ge=1, le=100, description="Runs of each cell's parameters (repeat index 0..n-1).")
+    input_tokens: list[int] | None = Field(None, description="summary, retention: history sizes in tokens.")
+    grounding_thresholds: list[float] | None = Field(
+        None,
+        min_length=1,
+        description=f"Grounding thresholds of the summaries (0..1; 0 = no check). Default {GROUNDING_THRESHOLD}.",
+    )
+    repeats: int = Field(
+        1,
+        ge=1,
+        le=100,
+        description="Runs of each cell's parameters (repeat index 0..n-1); retention: the trace seed, or the "
+        "LoCoMo conversation counted from sample_id.",
+    )
     temperature: float = Field(0.0, ge=0.0, le=2.0, description="Summary sampling temperature (>0 for stability).")
     summary_tokens: int = Field(256, ge=16, le=65_536, description="Output budget of one whole compaction.")
     fixed_output_tokens: bool = Field(False, description="Every summary emits exactly its budget (matched volume).")
@@ -84,17 +105,23 @@ class Experiment(BaseModel):
     limit: int | None = Field(None, ge=1, description="agent: examples (HotpotQA), sessions (LoCoMo) or rows (MC).")
     questions_per_document: int | None = Field(None, ge=1, description="agent, LoCoMo: questions after a session.")
     sample_id: str | None = Field(None, description="LoCoMo conversation (default: the first).")
-    judge: bool = Field(True, description="agent: grade free-form answers with the LLM judge.")
+    judge: bool = Field(True, description="agent, retention: grade free-form answers with the LLM judge.")
     concurrency: int = Field(1, ge=1, le=64, description="Cells of this block run at once per model (1 = timed).")
 
     @model_validator(mode="after")
     def _axes(self) -> Experiment:
         if self.kind == "agent" and not self.taus:
             raise ValueError(f"{self.name}: an agent experiment needs taus")
-        if self.kind == "summary" and not self.input_tokens:
-            raise ValueError(f"{self.name}: a summary experiment needs input_tokens")
+        if self.kind in ("summary", "retention") and not self.input_tokens:
+            raise ValueError(f"{self.name}: a {self.kind} experiment needs input_tokens")
         if self.kind == "summary" and self.datasets != ["locomo"]:
             raise ValueError(f"{self.name}: summary experiments compact LoCoMo conversations (datasets: [locomo])")
+        if self.kind == "retention" and not set(self.datasets) <= {"coding", "locomo"}:
+            raise ValueError(f"{self.name}: retention experiments read coding traces and LoCoMo (datasets)")
+        if self.kind != "retention" and "coding" in self.datasets:
+            raise ValueError(f"{self.name}: coding traces are for retention experiments")
+        if any(not 0 <= t <= 1 for t in self.grounding_thresholds or []):
+            raise ValueError(f"{self.name}: grounding_thresholds must lie in [0, 1]")
         return self
 
 
@@ -147,17 +174,24 @@ class Cell(BaseModel):
     limit: int | None
     questions_per_document: int | None
     sample_id: str | None
+    grounding_threshold: float | None = None  # None: the option's default (and ids of older cells unchanged)
 
     @property
     def cell_id(self) -> str:
-        digest = hashlib.sha256(json.dumps(self.model_dump(), sort_keys=True).encode()).hexdigest()[:10]
-        shape = "seq" if self.strategy == "sequential" else f"par{self.chunk_tokens}"
+        params = {k: v for k, v in self.model_dump().items() if k != "grounding_threshold" or v is not None}
+        digest = hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()[:10]
+        shape = {"sequential": "seq", "extractive": f"ext{self.chunk_tokens}"}.get(
+            self.strategy, f"par{self.chunk_tokens}"
+        )
         size = f"tau{self.tau}" if self.kind == "agent" else f"in{self.input_tokens}"
-        return f"{self.experiment}-{self.dataset}-{shape}-{size}-{self.variant}-r{self.repeat}-{digest}"
+        threshold = "" if self.grounding_threshold is None else f"-g{self.grounding_threshold:g}"
+        return f"{self.experiment}-{self.dataset}-{shape}-{size}-{self.variant}{threshold}-r{self.repeat}-{digest}"
 
     def compaction_options(self) -> CompactionOptions:
         parallel = self.strategy == "parallel"
+        threshold = {} if self.grounding_threshold is None else {"grounding_threshold": self.grounding_threshold}
         return CompactionOptions(
+            **threshold,
             strategy=self.strategy,
             chunk_tokens=self.chunk_tokens or CompactionOptions.model_fields["chunk_tokens"].default,
             layout=self.layout if parallel else "prefix_exact",
@@ -175,11 +209,13 @@ class Expansion(BaseModel):
 
 
 def _shapes(e: Experiment) -> list[tuple[Strategy, int | None, str]]:
-    """(strategy, chunk, layout) combinations; sequential has no chunk size or layout, so it appears once."""
+    """(strategy, chunk, layout) combinations; sequential has no chunk size or layout, extractive no layout."""
     out: list[tuple[Strategy, int | None, str]] = []
     for strategy in e.strategies:
         if strategy == "sequential":
             out.append(("sequential", None, "sequential"))
+        elif strategy == "extractive":
+            out += [("extractive", b, "extractive") for b in e.chunk_tokens]
         else:
             out += [("parallel", b, layout) for b in e.chunk_tokens for layout in e.layouts]
     return out
@@ -192,9 +228,13 @@ def expand(config: SweepConfig, catalogue: Catalogue) -> Expansion:
     dropped: list[tuple[Cell, str]] = []
     for e in config.experiments:
         sizes = e.taus if e.kind == "agent" else e.input_tokens
-        axes = itertools.product(config.models, e.datasets, _shapes(e), sizes or [], e.variants, range(e.repeats))
-        for model, dataset, (strategy, chunk, layout), size, variant, repeat in axes:
-            judge = pick_judge(model, config.judges) if config.judges and e.kind == "agent" and e.judge else None
+        thresholds: list[float | None] = [*e.grounding_thresholds] if e.grounding_thresholds else [None]
+        axes = itertools.product(
+            config.models, e.datasets, _shapes(e), sizes or [], e.variants, thresholds, range(e.repeats)
+        )
+        for model, dataset, (strategy, chunk, layout), size, variant, threshold, repeat in axes:
+            judged = config.judges and e.kind != "summary" and e.judge
+            judge = pick_judge(model, config.judges) if judged else None
             cell = Cell(
                 experiment=e.name,
                 kind=e.kind,
@@ -206,7 +246,7 @@ def expand(config: SweepConfig, catalogue: Catalogue) -> Expansion:
                 layout=layout,
                 variant=variant,
                 tau=size if e.kind == "agent" else None,
-                input_tokens=size if e.kind == "summary" else None,
+                input_tokens=size if e.kind != "agent" else None,
                 summary_tokens=e.summary_tokens,
                 answer_tokens=e.answer_tokens,
                 temperature=e.temperature,
@@ -216,10 +256,11 @@ def expand(config: SweepConfig, catalogue: Catalogue) -> Expansion:
                 limit=e.limit,
                 questions_per_document=e.questions_per_document,
                 sample_id=e.sample_id,
+                grounding_threshold=threshold,
             )
             window = config.backend.max_model_len or catalogue.get(model).max_model_len
             need = size + e.summary_tokens + config.window_headroom_tokens
-            if need > window:
+            if need > window and (e.kind != "retention" or layout in WINDOWED_LAYOUTS):
                 dropped.append((cell, f"needs {need} tokens ({size} + summary + headroom), over {model}'s {window}"))
             else:
                 cells.append(cell)

@@ -24,7 +24,8 @@ _F = pa.float64()
 _S = pa.string()
 _B = pa.bool_()
 
-# event: "summary" (one compaction of a fixed snapshot), "turn" (one agent step), "episode" (an agent run's totals).
+# event: "summary" (one compaction of a fixed snapshot), "turn" (one agent step), "episode" (an agent run's totals),
+# "retention" (one compaction of a history with known facts), "fact" (one known fact of it).
 SCHEMA = pa.schema(
     [
         # identity of the cell (every row)
@@ -73,6 +74,25 @@ SCHEMA = pa.schema(
         pa.field("retries", _I),
         pa.field("bad_chunks", _I),
         pa.field("summary_text", _S),
+        # grounding of one compaction (retention rows): first model attempts vs the kept texts
+        pa.field("grounding_threshold", _F),
+        pa.field("model_summaries", _I),
+        pa.field("summaries_ungrounded_first", _I),
+        pa.field("summaries_ungrounded_out", _I),
+        pa.field("salient_tokens_first", _I),
+        pa.field("ungrounded_tokens_first", _I),
+        pa.field("salient_tokens_out", _I),
+        pa.field("ungrounded_tokens_out", _I),
+        pa.field("ungrounded_chunks", _I),
+        pa.field("fallback_chunks", _I),
+        pa.field("dropped_sentences", _I),
+        # recall of known facts (retention rows: totals; fact rows: one fact, with question/gold/prediction/judge)
+        pa.field("facts", _I),
+        pa.field("recall_exact", _F),
+        pa.field("recall_judged", _F),
+        pa.field("fact_index", _I),
+        pa.field("fact_kind", _S),
+        pa.field("recalled_exact", _B),
         # one question
         pa.field("task_id", _S),
         pa.field("category", _S),
@@ -116,8 +136,9 @@ def to_table(rows: Sequence[Mapping[str, Any]]) -> pa.Table:
 class ResultStore:
     """A folder of per-cell Parquet files (`cells/`) plus error notes (`errors/`) of failed cells."""
 
-    def __init__(self, root: str | Path) -> None:
+    def __init__(self, root: str | Path, schema: pa.Schema = SCHEMA) -> None:
         self.root = Path(root)
+        self.schema = schema  # every cell file has exactly this schema (the sweep's by default)
         self.cells = self.root / "cells"
         self.errors = self.root / "errors"
 
@@ -128,7 +149,7 @@ class ResultStore:
 
     def write(self, cell_id: str, table: pa.Table) -> Path:
         """Write one cell's rows atomically; a cell already written is never written twice."""
-        if table.schema != SCHEMA:
+        if table.schema != self.schema:
             raise ValueError("a cell's table must have exactly the results schema")
         self.cells.mkdir(parents=True, exist_ok=True)
         final = self.cells / f"{cell_id}.parquet"
@@ -148,8 +169,8 @@ class ResultStore:
 
     def read(self) -> pa.Table:
         if not self.done():
-            return SCHEMA.empty_table()
-        return ds.dataset(self.cells, format="parquet", schema=SCHEMA).to_table()
+            return self.schema.empty_table()
+        return ds.dataset(self.cells, format="parquet", schema=self.schema).to_table()
 
 
 def integrity(table: pa.Table) -> dict[str, int]:
@@ -157,7 +178,8 @@ def integrity(table: pa.Table) -> dict[str, int]:
     cells = table.column("cell_id").to_pylist()
     events = table.column("event").to_pylist()
     turns = table.column("turn_index").to_pylist()
-    keys = Counter(zip(cells, events, turns, table.column("repeat").to_pylist(), strict=True))
+    facts = table.column("fact_index").to_pylist()
+    keys = Counter(zip(cells, events, turns, facts, table.column("repeat").to_pylist(), strict=True))
     by_cell: dict[str, list[int]] = {}
     episodes: Counter[str] = Counter()
     for cell, event, turn in zip(cells, events, turns, strict=True):

@@ -1,0 +1,98 @@
+"""What text is kept for one chunk: the checks of its model summaries, the retry rule, the fallbacks.
+
+Every attempt is judged (empty, runaway) and checked for grounding. A chunk whose first summary
+fails either check is retried once with a stricter tail. Of the attempts, the best is kept; then
+nothing bad reaches the output: an empty summary becomes the chunk's text (nothing lost), a
+runaway keeps each sentence once, a summary below the grounding threshold becomes the chunk's
+extractive summary, and a grounded-enough one loses the sentences that state invented tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from compaction.backend import Generation
+from compaction.grounding import Grounding, Source, prune
+from compaction.options import CompactionOptions
+from compaction.quality import Verdict, collapse_repeats, judge
+from compaction.result import ChunkStatus
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """One model summary of a chunk and its two checks."""
+
+    generation: Generation  # what the backend returned
+    verdict: Verdict  # ok, empty or runaway
+    grounding: Grounding  # its salient tokens against the chunk's source
+
+    @classmethod
+    def of(cls, generation: Generation, source: Source) -> Attempt:
+        text = generation.text.strip()
+        return cls(generation, judge(text, generation.finish_reason), source.check(text))
+
+    def grounded(self, threshold: float) -> bool:
+        return threshold == 0 or self.grounding.score >= threshold
+
+    def good(self, options: CompactionOptions) -> bool:
+        """Keep without a retry: not empty or looping (unless decode is forced) and grounded enough."""
+        return (self.verdict == "ok" or options.fixed_output_tokens) and self.grounded(options.grounding_threshold)
+
+
+def should_retry(attempts: Sequence[Attempt], options: CompactionOptions) -> bool:
+    """A second, stricter attempt: only after a bad first one, and never in matched-decode benchmarks."""
+    return (
+        len(attempts) == 1
+        and not attempts[0].good(options)
+        and options.retry_bad_summaries
+        and not options.fixed_output_tokens
+    )
+
+
+@dataclass(frozen=True)
+class Settled:
+    """The text kept for a chunk and how it came about."""
+
+    text: str  # what is merged into the summary
+    status: ChunkStatus  # see ChunkStats.status
+    dropped_sentences: int  # sentences removed for stating invented tokens
+    grounding: Grounding  # the kept text checked against the source
+
+
+def _best(attempts: Sequence[Attempt], threshold: float) -> Attempt:
+    """The attempt to keep: usable over empty or looping, grounded over not, then the higher score; ties go late."""
+    return max(
+        reversed(attempts),
+        key=lambda a: (a.verdict == "ok", a.verdict != "empty", a.grounded(threshold), a.grounding.score),
+    )
+
+
+def settle(
+    attempts: Sequence[Attempt],
+    options: CompactionOptions,
+    source: Source,
+    verbatim: Callable[[], str],
+    extractive: Callable[[], str],
+) -> Settled:
+    """The kept text of a chunk from its attempts. `verbatim` and `extractive` give the chunk's fallbacks."""
+    threshold = options.grounding_threshold
+    best = _best(attempts, threshold)
+    text = best.generation.text.strip()
+    status: ChunkStatus = "ok" if len(attempts) == 1 else "retried"
+    if options.fixed_output_tokens:
+        pass  # matched-decode benchmarks keep what the model wrote; only the grounding check applies
+    elif best.verdict == "empty":
+        raw = verbatim()
+        return Settled(raw, "kept_verbatim", 0, source.check(raw))
+    elif best.verdict == "runaway":
+        text, status = collapse_repeats(text), "runaway_trimmed"
+    dropped = 0
+    if threshold > 0:
+        checked = source.check(text)
+        if checked.score >= threshold and checked.ungrounded:
+            text, dropped = prune(text, checked.ungrounded)
+        if checked.score < threshold or not text:
+            fallback = extractive()
+            return Settled(fallback, "extractive_fallback", 0, source.check(fallback))
+    return Settled(text, status, dropped, source.check(text))

@@ -1,0 +1,201 @@
+"""One replica as a vLLM-like engine: FCFS chunked prefill beside a decoding batch, as a fluid model.
+
+vLLM runs engine steps; each step decodes one token for every running sequence and spends the rest of its token
+budget (`max_batched_tokens`) on the prefill at the head of the queue. Simulating steps one by one would cost an
+event per step per replica (millions per simulated hour), so between two events (a request arrives, a prefill ends,
+a sequence ends) the replica runs at constant rates:
+
+    step s = decode_step(batch, context) + w,   w = prefill seconds of one step's chunk (0 when nothing prefills)
+    every decoding sequence gains 1/s tokens per second; the head prefill loses w/s seconds of work per second
+
+Decode progress is one shared clock `v` (tokens decoded per sequence since start): a sequence that joins at v0 with
+n tokens to go finishes at v0 + n, so events cost O(log batch). A request's cache lookup happens when it reaches the
+head of the prefill queue (vLLM looks prefixes up when it first schedules a request), so chunk prompts queued behind
+each other reuse what the earlier ones computed.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+from typing import Literal
+
+import simpy
+
+from jobs.sim.cache import PrefixCache
+from jobs.sim.profiles import EngineProfile
+
+RequestKind = Literal["turn", "chunk"]
+_EPS = 1e-9
+
+
+@dataclass(eq=False, slots=True)
+class Request:
+    """One prompt on one replica. The first fields are its shape; the rest is filled in as it runs."""
+
+    prompt_tokens: int  # tokens in the prompt
+    output_tokens: int  # tokens it decodes (forced: the simulator has no early stop)
+    namespace: Hashable | None  # the history chain its prompt starts with (None: shares nothing)
+    history_prefix: int  # leading prompt tokens that belong to that chain
+    keeps_output: bool  # the output continues the chain (an agent turn's answer is its next history)
+    kind: RequestKind  # agent turn or compaction chunk, for the statistics
+    done: simpy.Event  # succeeds when the last token is out
+    replica: int = -1
+    submitted: float = math.nan
+    started: float = math.nan  # prefill began (cache looked up)
+    finished: float = math.nan
+    cached_tokens: int = 0  # prompt tokens read from the prefix cache
+    work: float = 0.0  # prefill seconds still to do
+    reserved: int = 0  # KV tokens held beyond the cache
+
+    @property
+    def computed_tokens(self) -> int:
+        return self.prompt_tokens - self.cached_tokens
+
+
+@dataclass
+class ReplicaStats:
+    """Integrals over the run: how busy one replica was."""
+
+    busy_s: float = 0.0  # time with any prefill or decode work
+    batch_s: float = 0.0  # integral of the decoding batch size over time
+    prefill_s: float = 0.0  # time with a prefill running
+    requests: int = 0
+
+
+@dataclass(eq=False)
+class Replica:
+    env: simpy.Environment
+    index: int
+    profile: EngineProfile
+    cache: PrefixCache = field(init=False)
+    stats: ReplicaStats = field(default_factory=ReplicaStats)
+
+    def __post_init__(self) -> None:
+        self.cache = PrefixCache(self.profile.kv_tokens, self.profile.block_size)
+        self.waiting: deque[Request] = deque()
+        self.prefilling: Request | None = None
+        self.decoding: list[tuple[float, int, Request]] = []  # (finish on the decode clock, tie-break, request)
+        self.v = 0.0  # decode clock: tokens each running sequence has decoded since the start
+        self.context = 0.0  # context tokens of the decoding batch
+        self._last = self.env.now
+        self._rate = (0.0, 0.0)  # _rates() as of the last change of state
+        self._generation = 0
+        self._count = 0
+
+    @property
+    def load(self) -> int:
+        return len(self.waiting) + len(self.decoding) + (self.prefilling is not None)
+
+    def submit(self, request: Request) -> None:
+        self._advance()
+        request.replica, request.submitted = self.index, self.env.now
+        self.stats.requests += 1
+        self.waiting.append(request)
+        self._settle()
+        self._schedule()
+
+    def _rates(self) -> tuple[float, float]:
+        """(seconds per step, prefill work seconds done per step)."""
+        batch = len(self.decoding)
+        decode = self.profile.decode_step_s(batch, self.context) if batch else 0.0
+        if self.prefilling is None:
+            return decode, 0.0
+        chunk = max(self.profile.block_size, self.profile.max_batched_tokens - batch)
+        work = chunk / self.profile.prefill_tokens_per_s
+        return decode + work, work
+
+    def _advance(self) -> None:
+        now = self.env.now
+        dt = now - self._last
+        self._last = now
+        if dt <= 0:
+            return
+        step, work = self._rate
+        if step <= 0:
+            return
+        self.stats.busy_s += dt
+        if self.decoding:
+            self.v += dt / step
+            self.stats.batch_s += dt * len(self.decoding)
+        if self.prefilling is not None:
+            self.prefilling.work -= dt * work / step
+            self.stats.prefill_s += dt
+
+    def _settle(self) -> None:
+        """Finish what is due, start the next prefill; repeat until nothing changes."""
+        changed = True
+        while changed:
+            changed = False
+            head = self.prefilling
+            if head is not None and head.work <= _EPS:
+                self._prefilled(head)
+                changed = True
+            while self.decoding and self.decoding[0][0] <= self.v + _EPS:
+                self._finish(heapq.heappop(self.decoding)[2])
+                changed = True
+            if self.prefilling is None and self.waiting and len(self.decoding) < self.profile.max_num_seqs:
+                changed = self._start(self.waiting[0]) or changed
+
+    def _start(self, request: Request) -> bool:
+        cache = self.cache
+        reuse = cache.lookup(request.namespace, request.history_prefix, request.prompt_tokens)
+        need = request.prompt_tokens - reuse + request.output_tokens
+        reserved = cache.reserve(request.namespace, need)
+        if not reserved:
+            if not self.decoding and need > cache.capacity:
+                raise ValueError(
+                    f"a {request.prompt_tokens}-token prompt (+{request.output_tokens} out) can never fit "
+                    f"{cache.capacity} tokens of KV on {self.profile.name}; lower tau or the chunk size"
+                )
+            return False  # waits until a decoding sequence frees memory
+        self.waiting.popleft()
+        request.cached_tokens, request.reserved, request.started = reuse, reserved, self.env.now
+        request.work = self.profile.prefill_seconds(reuse, request.prompt_tokens)
+        self.prefilling = request
+        return True
+
+    def _prefilled(self, request: Request) -> None:
+        self.prefilling = None
+        request.reserved -= self.cache.extend(request.namespace, request.history_prefix, request.reserved)
+        if request.output_tokens <= 0:
+            self._finish(request)
+            return
+        self._count += 1
+        self.context += request.prompt_tokens + request.output_tokens / 2
+        heapq.heappush(self.decoding, (self.v + request.output_tokens, self._count, request))
+
+    def _finish(self, request: Request) -> None:
+        if request.output_tokens > 0:
+            self.context -= request.prompt_tokens + request.output_tokens / 2
+        if not self.decoding:
+            self.context = 0.0  # no drift from float sums
+        if request.keeps_output:
+            extent = request.prompt_tokens + request.output_tokens
+            request.reserved -= self.cache.extend(request.namespace, extent, request.reserved)
+        self.cache.release(request.namespace, request.reserved)
+        request.finished = self.env.now
+        request.done.succeed(request)
+
+    def _schedule(self) -> None:
+        step, work = self._rate = self._rates()
+        due = math.inf
+        if self.prefilling is not None and work > 0:
+            due = max(0.0, self.prefilling.work) * step / work
+        if self.decoding:
+            due = min(due, max(0.0, self.decoding[0][0] - self.v) * step)
+        self._generation += 1
+        if math.isfinite(due):
+            generation = self._generation
+            timer = self.env.timeout(due)
+            timer.callbacks.append(lambda _event: self._wake(generation))
+
+    def _wake(self, generation: int) -> None:
+        if generation != self._generation:
+            return  # superseded by a later event on this replica
+        self._advance()
+        self._settle()
+        self._schedule()

@@ -1,0 +1,198 @@
+"""Admission of compactions into a model's engines: run what they can batch, queue a bounded number, shed the rest.
+
+Pure (asyncio only; no Ray import). The coordinator holds one `Gate` per model and one `SharedRuns`.
+
+Gate
+    Capacity is counted in sequences, the unit an engine batches: a compaction of N chunks keeps up
+    to N chunk prompts in flight, so it holds N of the model's `capacity` sequences while it runs.
+    Waiting is first come, first served: the head of the queue starts as soon as it fits, and nothing
+    overtakes it (a large compaction is not starved by small ones). A compaction larger than the
+    whole capacity starts alone once nothing else runs. `max_running` optionally caps the number of
+    compactions running at once. Beyond `max_queued` waiting compactions, `Overloaded` with a
+    Retry-After estimated from how long recent compactions took and how many are ahead.
+
+SharedRuns
+    Identical concurrent requests (same session, same job) run once and every caller gets the
+    result. The shared run belongs to no single caller: it runs in a fresh context (so a framework
+    that cancels a request's child calls with the request does not cancel it for the others) and is
+    cancelled when its last caller leaves (client disconnect, deadline).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import math
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable, Hashable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+from compaction.errors import Overloaded
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Limits:
+    """One model's admission limits on one coordinator replica."""
+
+    capacity: int  # sequences (chunk prompts) that may run at once: what the engines batch, this replica's share
+    max_queued: int  # compactions that may wait; more are refused with Retry-After
+    max_running: int | None = None  # optional cap on compactions running at once
+
+
+@dataclass(eq=False)
+class _Waiter:
+    sequences: int  # what the waiting compaction will hold once admitted
+    granted: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+
+@dataclass(frozen=True)
+class GateState:
+    """A snapshot for metrics and tests."""
+
+    running: int  # compactions running
+    running_sequences: int  # sequences they hold
+    queued: int  # compactions waiting
+    capacity: int  # sequences allowed at once
+
+
+class Gate:
+    """Bounded running (in sequences) plus a bounded FIFO queue, for one model."""
+
+    def __init__(
+        self, limits: Limits, *, typical_s: float = 30.0, on_change: Callable[[GateState], None] | None = None
+    ) -> None:
+        self.limits = limits
+        self.on_change = on_change  # told every new state (metrics)
+        self._running = 0
+        self._sequences = 0
+        self._queue: deque[_Waiter] = deque()
+        self._typical_s = typical_s  # moving estimate of one compaction's run time, for Retry-After
+
+    def state(self) -> GateState:
+        return GateState(self._running, self._sequences, len(self._queue), self.limits.capacity)
+
+    def resize(self, capacity: int) -> None:
+        """New sequence capacity (replicas came or went); waiting compactions that now fit start."""
+        self.limits = Limits(max(1, capacity), self.limits.max_queued, self.limits.max_running)
+        self._wake()
+
+    def retry_after_s(self) -> float:
+        """Seconds until a slot is likely free: the queue ahead drains at `running` compactions per typical run."""
+        waves = (len(self._queue) + 1) / max(1, self._running)
+        return float(min(120, max(1, math.ceil(waves * self._typical_s))))
+
+    @asynccontextmanager
+    async def admitted(self, sequences: int) -> AsyncIterator[float]:
+        """Hold `sequences` while the body runs; yields the seconds spent waiting. Raises Overloaded when full."""
+        began = time.perf_counter()
+        need = max(1, sequences)
+        if self._queue or not self._fits(need):
+            await self._wait(need)
+        else:
+            self._take(need)
+        waited = time.perf_counter() - began
+        try:
+            yield waited
+        finally:
+            self._release(need, time.perf_counter() - began - waited)
+
+    def _fits(self, need: int) -> bool:
+        if self.limits.max_running is not None and self._running >= self.limits.max_running:
+            return False
+        return self._running == 0 or self._sequences + need <= self.limits.capacity
+
+    def _take(self, need: int) -> None:
+        self._running += 1
+        self._sequences += need
+        self._changed()
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change(self.state())
+
+    async def _wait(self, need: int) -> None:
+        if len(self._queue) >= self.limits.max_queued:
+            raise Overloaded(
+                f"{self._running} compactions are running and {len(self._queue)} are queued for this model "
+                f"(max_queued_compactions = {self.limits.max_queued}); retry after the Retry-After seconds",
+                self.retry_after_s(),
+            )
+        waiter = _Waiter(need)
+        self._queue.append(waiter)
+        self._changed()
+        try:
+            await waiter.granted
+        except BaseException:
+            if waiter.granted.done() and not waiter.granted.cancelled():
+                self._release(need, None)  # granted just as the caller left: give the slot back
+            else:
+                if waiter in self._queue:
+                    self._queue.remove(waiter)
+                self._wake()  # the head may have changed
+                self._changed()
+            raise
+
+    def _release(self, need: int, ran_s: float | None) -> None:
+        self._running -= 1
+        self._sequences -= need
+        if ran_s is not None:
+            self._typical_s = 0.8 * self._typical_s + 0.2 * ran_s
+        self._wake()
+        self._changed()
+
+    def _wake(self) -> None:
+        while self._queue and (self._queue[0].granted.done() or self._fits(self._queue[0].sequences)):
+            waiter = self._queue.popleft()
+            if waiter.granted.done():  # its caller left (cancelled) and will not take the slot
+                continue
+            self._take(waiter.sequences)
+            waiter.granted.set_result(None)
+
+
+@dataclass(eq=False)
+class _Run(Generic[T]):
+    task: asyncio.Task[T]
+    callers: int = 0
+
+
+class SharedRuns(Generic[T]):
+    """Runs identical concurrent requests once; cancels a run when its last caller leaves."""
+
+    def __init__(self) -> None:
+        self._runs: dict[Hashable, _Run[T]] = {}
+
+    def __len__(self) -> int:
+        return len(self._runs)
+
+    async def run(self, key: Hashable, start: Callable[[], Awaitable[T]]) -> tuple[T, bool]:
+        """(result, joined): `joined` is True when this caller shared a run another caller started."""
+        entry = self._runs.get(key)
+        joined = entry is not None
+        if entry is None:
+            entry = _Run(asyncio.create_task(self._body(start), context=contextvars.Context()))
+            self._runs[key] = entry
+            entry.task.add_done_callback(lambda _: self._forget(key, entry))
+        entry.callers += 1
+        try:
+            return await asyncio.shield(entry.task), joined
+        finally:
+            entry.callers -= 1
+            if entry.callers == 0 and not entry.task.done():
+                self._forget(key, entry)
+                entry.task.cancel()
+                await asyncio.wait({entry.task})  # the caller hears back once the work has stopped
+
+    @staticmethod
+    async def _body(start: Callable[[], Awaitable[T]]) -> T:
+        return await start()
+
+    def _forget(self, key: Hashable, entry: _Run[T]) -> None:
+        if self._runs.get(key) is entry:
+            del self._runs[key]
+        if entry.task.done() and not entry.task.cancelled():
+            entry.task.exception()  # retrieved, so a run whose callers all left logs no "never retrieved"

@@ -1,0 +1,32 @@
+"""The grounding check on the real engine: SmolLM2-135M summaries of a coding trace."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from compaction.compactor import Compactor
+from compaction.grounding import Source
+from compaction.history import parse_messages, template_view
+from compaction.tokenizer import HFChatTokenizer
+from jobs.data.facts import coding_history
+
+pytestmark = pytest.mark.engine
+
+
+async def test_no_invented_salient_token_reaches_the_summary(engine: Any, tokenizer: HFChatTokenizer) -> None:
+    known = coding_history(0, 2048, tokenizer)
+    compactor = Compactor(tokenizer, engine, context_window=engine.max_model_len, block_size=engine.block_size)
+    plan = compactor.plan(known.messages, {"chunk_tokens": 512, "max_chunk_summary_tokens": 40})
+    result = await compactor.run(plan)
+    stats = result.stats
+    chunks = stats.per_chunk
+    assert len(chunks) >= 3 and all(c.first_grounding is not None and c.first_verdict for c in chunks)
+    assert stats.ungrounded_chunks == [c.index for c in chunks if (c.first_grounding or 0) < 0.7]
+    assert all(c.retries == 1 for c in chunks if c.index in stats.ungrounded_chunks)
+    assert all(c.ungrounded == [] and c.grounding == 1.0 for c in chunks)
+    # independently of the stats: the summary states nothing absent from the history and the instructions
+    tails = [tokenizer.decode(p.tail) for p in plan.prompts]
+    source = Source(*(template_view(m)["content"] for m in parse_messages(known.messages)), *tails)
+    assert source.check(result.summary).ungrounded == ()

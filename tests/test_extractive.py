@@ -1,0 +1,100 @@
+"""Extractive summaries on the real tokenizer (pure; no engine)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from compaction.compactor import Compactor
+from compaction.extractive import extract, segments
+from compaction.history import parse_messages, render_history
+from compaction.tokenizer import HFChatTokenizer
+from tests.fakes import FakeBackend
+
+NOISE = [f"line {i} of the module body, nothing to see here" for i in range(30)]
+
+
+def coding_history() -> list[dict[str, Any]]:
+    function = {"name": "run", "arguments": json.dumps({"cmd": "make ci"})}
+    call = {"id": "call_1", "type": "function", "function": function}
+    return [
+        {"role": "system", "content": "You are a coding agent."},
+        {"role": "user", "content": "Please fix the date parser.\nNever edit the migrations/ folder.\nthanks a lot"},
+        {"role": "assistant", "content": "Sure, running the suite first.", "tool_calls": [call]},
+        {
+            "role": "tool",
+            "tool_call_id": "call_1",
+            "content": "collected 120 items\n"
+            + "\n".join(NOISE)
+            + "\nFAILED tests/test_dates.py::test_parse_iso - ValueError: month must be in 1..12",
+        },
+        {
+            "role": "assistant",
+            "content": "ok\nThe root cause is an off-by-one month in src/dates.py, so I will fix it.",
+        },
+        {"role": "user", "content": "sounds good\n" + "\n".join(NOISE[:10])},
+    ]
+
+
+def rendered(tokenizer: HFChatTokenizer, messages: list[dict[str, Any]]):
+    return render_history(parse_messages(messages), tokenizer)
+
+
+def test_keeps_the_salient_lines_in_order_verbatim_within_budget(tokenizer: HFChatTokenizer) -> None:
+    history = rendered(tokenizer, coding_history())
+    start, end = history.message_starts[1], len(history.token_ids)
+    text = extract(history, tokenizer, start, end, budget=80)
+    assert len(tokenizer.encode(text)) <= 80
+    assert text.splitlines() == [
+        "user: Please fix the date parser.",
+        "user: Never edit the migrations/ folder.",
+        "tool: FAILED tests/test_dates.py::test_parse_iso - ValueError: month must be in 1..12",
+        "assistant: The root cause is an off-by-one month in src/dates.py, so I will fix it.",
+    ]
+    wider = extract(history, tokenizer, start, end, budget=130).splitlines()
+    assert len(wider) > 4 and set(text.splitlines()) < set(wider)
+    assert 'assistant: [tool call call_1] run({"cmd": "make ci"})' in wider
+    assert not any("nothing to see here" in line or line == "assistant: ok" for line in wider)
+
+
+def test_a_smaller_budget_keeps_the_best_lines(tokenizer: HFChatTokenizer) -> None:
+    history = rendered(tokenizer, coding_history())
+    text = extract(history, tokenizer, history.message_starts[1], len(history.token_ids), budget=40)
+    assert len(tokenizer.encode(text)) <= 40
+    assert text.splitlines() == [
+        "user: Please fix the date parser.",
+        "assistant: The root cause is an off-by-one month in src/dates.py, so I will fix it.",
+    ]
+
+
+def test_a_border_inside_a_message_decodes_only_its_part(tokenizer: HFChatTokenizer) -> None:
+    history = rendered(tokenizer, coding_history())
+    tool = history.message_starts[3]
+    middle = tool + 60
+    before, after = segments(history, tokenizer, 0, middle), segments(history, tokenizer, middle, middle + 400)
+    assert [s.message for s in before][-1] == 3 and before[-1].opens_message
+    assert before[-1].text.startswith("[tool result call_1] collected 120 items")  # no "user" header line
+    assert after[0].message == 3 and not after[0].opens_message
+    assert before[-1].text.strip()[-10:] in history_text(tokenizer, history, tool, middle)
+
+
+def history_text(tokenizer: HFChatTokenizer, history, start: int, end: int) -> str:
+    return tokenizer.decode(history.token_ids[start:end])
+
+
+async def test_strategy_extractive_calls_no_model_and_fits_any_window(tokenizer: HFChatTokenizer) -> None:
+    backend = FakeBackend()
+    messages = coding_history() * 6  # over the window for any model-based prompt
+    compactor = Compactor(tokenizer, backend, context_window=512, block_size=16)
+    options = {"strategy": "extractive", "chunk_tokens": 256, "max_chunk_summary_tokens": 48}
+    plan = compactor.plan(messages, options)
+    assert plan.prompts == () and len(plan.chunks) > 3
+    result = await compactor.compact(messages, options)
+    stats = result.stats
+    assert not backend.requests
+    assert stats.layout == "extractive" and stats.chunks == len(plan.chunks)
+    assert stats.prompt_tokens == stats.output_tokens == stats.computed_prefill_tokens == 0
+    assert {c.status for c in stats.per_chunk} == {"extractive"}
+    assert all(c.summary_tokens <= 48 and c.grounding == 1.0 and c.first_grounding is None for c in stats.per_chunk)
+    assert stats.compacted_tokens < stats.history_tokens
+    assert "FAILED tests/test_dates.py::test_parse_iso" in result.summary

@@ -1,0 +1,224 @@
+"""Production traffic through the shared real service: queueing, shared runs, deadlines, cancellation, metrics.
+
+The `service` fixture runs with small admission limits (conftest: `SERVICE_LIMITS`), so a burst of
+cheap compactions shows the queue and the 429s. Engine and compaction metrics are read from Ray's
+metrics endpoint (the test cluster exports every second).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import pytest
+
+from serving.local import APP_NAME, LocalService
+from tests.support import SERVED_MODEL, SERVICE_LIMITS
+
+pytestmark = [pytest.mark.ray, pytest.mark.engine]
+
+MODEL = SERVED_MODEL
+SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][\w:]*)(?:\{(?P<tags>[^}]*)\})? (?P<value>\S+)$")
+
+
+def cheap(text: str = "I booked a flight to Oslo for the 14th.", **options: Any) -> dict[str, Any]:
+    """A compaction that costs one short prompt and a few output tokens."""
+    messages = [{"role": "user", "content": f"{text} (note {i})"} for i in range(4)]
+    return {"model": MODEL, "messages": messages, "strategy": "sequential", "max_chunk_summary_tokens": 6, **options}
+
+
+def samples(text: str, name: str, **tags: str) -> list[float]:
+    """Values of every sample of `name` whose tags include `tags`."""
+    out = []
+    for line in text.splitlines():
+        match = SAMPLE.match(line)
+        if not match or match["name"] != name:
+            continue
+        found = dict(re.findall(r'(\w+)="([^"]*)"', match["tags"] or ""))
+        if all(found.get(k) == v for k, v in tags.items()):
+            out.append(float(match["value"]))
+    return out
+
+
+def scrape(url: str) -> str:
+    return httpx.get(url, timeout=10).text
+
+
+def wait_for(check: Callable[[], bool], timeout_s: float, poll_s: float = 0.2) -> float:
+    """Seconds until `check()` held; raises after `timeout_s`."""
+    began = time.monotonic()
+    while not check():
+        if time.monotonic() - began > timeout_s:
+            raise AssertionError(f"not within {timeout_s} s")
+        time.sleep(poll_s)
+    return time.monotonic() - began
+
+
+def engine_running(metrics_url: str) -> float:
+    """Requests the engines are running (vLLM's gauge; a replica that stopped reporting counts 0)."""
+    return sum(samples(scrape(metrics_url), "ray_vllm_num_requests_running"))
+
+
+def engine_generated(metrics_url: str) -> float:
+    """Tokens the engines have generated so far (vLLM's counter)."""
+    return sum(samples(scrape(metrics_url), "ray_vllm_generation_tokens_total"))
+
+
+def test_metrics_are_exported_on_rays_endpoint_after_a_compaction(client: httpx.Client, metrics_url: str) -> None:
+    body = cheap("The metrics test compacts this.", strategy="parallel", chunk_tokens=128)
+    response = client.post("/v1/compact", json=body)
+    assert response.status_code == 200, response.text
+    stats = response.json()["stats"]
+    ok = {"model": MODEL, "strategy": "parallel", "outcome": "ok"}
+    wait_for(lambda: sum(samples(scrape(metrics_url), "ray_compaction_requests_total", **ok)) >= 1, 30)
+    text = scrape(metrics_url)
+    print("\n".join(line for line in text.splitlines() if line.startswith("ray_compaction_"))[:4000])
+    assert sum(samples(text, "ray_compaction_latency_seconds_count", model=MODEL)) >= 1
+    assert sum(samples(text, "ray_compaction_queue_wait_seconds_count", model=MODEL)) >= 1
+    assert sum(samples(text, "ray_compaction_chunks_count", model=MODEL)) >= 1  # (Ray's _sum is bucket midpoints)
+    computed = sum(samples(text, "ray_compaction_prompt_tokens_total", model=MODEL, source="computed"))
+    cached = sum(samples(text, "ray_compaction_prompt_tokens_total", model=MODEL, source="cached"))
+    assert computed + cached >= stats["prompt_tokens"] > 0
+    assert sum(samples(text, "ray_compaction_input_tokens_total", model=MODEL)) >= stats["input_tokens"]
+    assert samples(text, "ray_compaction_running", model=MODEL)  # the gauge exists; its value moves
+
+
+async def test_a_burst_queues_then_sheds_and_identical_requests_run_once(service: LocalService) -> None:
+    """Without a session id, calls alternate between the two coordinators; each runs
+    `max_concurrent_compactions` and queues `max_queued_compactions`, then answers 429."""
+    per_coordinator = SERVICE_LIMITS["max_concurrent_compactions"] + SERVICE_LIMITS["max_queued_compactions"]
+    burst = 64  # against 2 x (4 running + 8 queued) admitted at most
+    session = f"dedup-{uuid.uuid4().hex[:6]}"
+    async with httpx.AsyncClient(base_url=service.url, timeout=600) as http:
+        replies = await asyncio.gather(
+            *(http.post("/v1/compact", json=cheap(f"Burst request {i}.")) for i in range(burst))
+        )
+        codes = [r.status_code for r in replies]
+        print(f"burst of {burst}: {codes.count(200)} x 200, {codes.count(429)} x 429")
+        assert (
+            set(codes) <= {200, 429}
+            and codes.count(429) >= burst - 2 * per_coordinator - 8
+            and codes.count(200) <= 2 * per_coordinator + 8
+        )
+        for refused in (r for r in replies if r.status_code == 429):
+            assert int(refused.headers["retry-after"]) >= 1
+            assert "max_queued_compactions" in refused.json()["error"]["message"]
+        waits = [r.json()["stats"]["queue_wait_s"] for r in replies if r.status_code == 200]
+        assert max(waits) > 0 and all(w >= 0 for w in waits)
+
+        same = cheap("Both callers ask for exactly this.", session_id=session)
+        pair = await asyncio.gather(*(http.post("/v1/compact", json=same) for _ in range(2)))
+    assert [r.status_code for r in pair] == [200, 200]
+    first, second = (r.json() for r in pair)
+    assert first["summary"] == second["summary"] and sorted([first["stats"]["shared"], second["stats"]["shared"]]) == [
+        False,
+        True,
+    ]
+
+
+def test_the_load_benchmark_drives_sessions_through_the_service(
+    service: LocalService, locomo: list[dict[str, Any]], tokenizer: Any, tmp_path: Any
+) -> None:
+    """jobs/load.py's library at a tiny level: two agent sessions (a turn, then a compaction), one figure."""
+    from jobs.load import plot
+    from jobs.traffic.load import make_sessions, run_level
+
+    sessions = make_sessions(locomo, tokenizer, 2, 384, 1)
+    assert len({s.history[0]["content"] for s in sessions}) == 2  # no shared prefix between sessions
+    compaction = {"chunk_tokens": 256, "max_chunk_summary_tokens": 8}
+    row = asyncio.run(run_level(service.url, sessions, MODEL, compaction))
+    print(row)
+    assert row["compactions"] == {"200": 2} and row["turns_ok"] == 2 and row["rejected_429"] == 0
+    assert row["input_tokens_compacted"] > 0 and row["compaction_throughput_tok_s"] > 0
+    assert 0 <= row["cache_hit_share"] <= 1 and row["compaction_p95_s"] >= row["compaction_p50_s"] > 0
+    plot([{"mode": "agent", **row}], tmp_path / "load.png")
+    assert (tmp_path / "load.png").stat().st_size > 0
+
+
+def long_compaction(tokens: int = 400, **extra: Any) -> dict[str, Any]:
+    """A compaction that keeps both engines decoding for a while (forced output volume)."""
+    text = " ".join(f"On day {i} the crew logged position {i * 7} and weather code {i % 5}." for i in range(60))
+    messages = [{"role": "user", "content": text}, {"role": "assistant", "content": "Logged."}] * 2
+    return {
+        "model": MODEL, "messages": messages, "chunk_tokens": 256, "max_chunk_summary_tokens": tokens,
+        "fixed_output_tokens": True, "placement": "spread", **extra,
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("how", ["client disconnect", "deadline"])
+async def test_abandoned_compactions_stop_on_the_engines(service: LocalService, metrics_url: str, how: str) -> None:
+    assert await asyncio.to_thread(wait_for, lambda: engine_running(metrics_url) == 0, 120) >= 0
+    body = long_compaction(**({"timeout_s": 15} if how == "deadline" else {}))
+    async with httpx.AsyncClient(base_url=service.url, timeout=600) as http:
+        call = asyncio.create_task(http.post("/v1/compact", json=body))
+        if how == "client disconnect":
+            await asyncio.to_thread(wait_for, lambda: engine_running(metrics_url) > 0, 120)
+            call.cancel()  # httpx closes the connection: the client is gone
+            left = time.monotonic()
+        else:
+            response = await call
+            left = time.monotonic()
+            error = response.json()["error"]
+            assert response.status_code == 504 and error["type"] == "timeout_error" and "timeout_s" in error["message"]
+    took = await asyncio.to_thread(wait_for, lambda: engine_running(metrics_url) == 0, 30, 0.1)
+    print(f"{how}: engine running requests at 0 {time.monotonic() - left:.2f} s after the client left")
+    assert took <= 2.0 + 2.0  # 2 s, plus Ray's export of the gauge (1 s interval in the test cluster)
+    # The engines stopped decoding: the chunk prompts asked for 400 tokens each and were aborted.
+    generated = engine_generated(metrics_url)
+    await asyncio.sleep(4)
+    assert engine_generated(metrics_url) == generated
+
+
+def coordinator_pids() -> dict[str, int]:
+    """Replica id -> process id of the live coordinator replicas (asked of each replica actor)."""
+    import ray
+
+    prefix = f"SERVE_REPLICA::{APP_NAME}#Coordinator#"
+    named = [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)]
+    pids = {}
+    for actor in named:
+        handle = ray.get_actor(actor["name"], namespace=actor["namespace"])
+        pids[actor["name"].removeprefix(prefix)] = ray.get(
+            handle.__ray_call__.remote(lambda _: os.getpid()), timeout=30
+        )
+    return pids
+
+
+@pytest.mark.destructive
+def test_a_coordinator_killed_during_a_compaction(client: httpx.Client) -> None:
+    session = f"kill-{uuid.uuid4().hex[:6]}"
+    warm = client.post("/v1/compact", json=cheap("Which coordinator is home?", session_id=session))
+    home = warm.json()["stats"]["coordinator"]
+    pids = coordinator_pids()
+    assert len(pids) == 2 and home in pids, (home, pids)
+    outcome: dict[str, httpx.Response] = {}
+
+    async def compact() -> None:
+        async with httpx.AsyncClient(base_url=client.base_url, timeout=600) as http:
+            outcome["response"] = await http.post("/v1/compact", json=long_compaction(48, session_id=session))
+
+    async def kill_then_wait() -> None:
+        task = asyncio.create_task(compact())
+        await asyncio.sleep(4)  # the compaction is running on the session's coordinator
+        os.kill(pids[home], signal.SIGKILL)
+        await task
+
+    asyncio.run(kill_then_wait())
+    response = outcome["response"]
+    print(f"killed coordinator {home} (pid {pids[home]}): {response.status_code} {response.text[:200]}")
+    if response.status_code == 503:
+        assert int(response.headers["retry-after"]) >= 1
+    else:
+        assert response.status_code == 200, response.text
+        assert response.json()["stats"]["coordinator"] != home  # retried on the live one
+    assert "Actor" not in response.text and "Traceback" not in response.text
+    after = client.post("/v1/compact", json=cheap("And the next request?", session_id=session))
+    assert after.status_code == 200, after.text
+    assert client.get("/healthz").status_code == 200

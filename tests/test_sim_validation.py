@@ -1,0 +1,66 @@
+"""The simulator against the real two-replica CPU service: same workload, per placement policy.
+
+The CPU profile is calibrated from the live service first (three requests), so the comparison holds on any
+machine speed. Uses the shared session-scoped `service`; caches are emptied before each policy's run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from compaction.history import parse_messages, render_history
+from compaction.tokenizer import HFChatTokenizer
+from jobs.affinity import make_session
+from jobs.data.conversations import locomo_messages
+from jobs.sim.calibrate import calibrate, calibration_prompt, cpu_kv_tokens
+from jobs.sim.validate import MODEL, Workload, ratio, table, validate
+from serving.backends import OpenAIBackend
+from serving.local import APP_NAME, LocalService
+from serving.models import load_catalogue
+
+pytestmark = [pytest.mark.ray, pytest.mark.engine]
+
+
+def test_the_simulator_matches_the_real_service_per_policy(
+    service: LocalService, tokenizer: HFChatTokenizer, locomo: list[dict[str, Any]], model_path: Path
+) -> None:
+    from ray import serve
+
+    conversation = locomo_messages(locomo[0])
+    session = make_session(conversation, tokenizer, 2000, turns=2, turn_tokens=250)
+    workload = Workload(session.base, session.observations)
+    coordinator = serve.get_deployment_handle("Coordinator", app_name=APP_NAME)
+    spec = load_catalogue().get(MODEL)
+
+    async def reset() -> None:
+        await coordinator.reset_prefix_cache.remote(MODEL)
+
+    history = render_history(parse_messages(conversation), tokenizer).token_ids
+
+    async def run() -> Any:
+        async with httpx.AsyncClient(base_url=service.url, timeout=900) as client:
+
+            async def profile() -> Any:
+                return await calibrate(
+                    OpenAIBackend(service.url, MODEL, client=client),
+                    calibration_prompt(tokenizer, history, 1536),
+                    model_path=model_path,
+                    block_size=spec.block_size,
+                    kv_tokens=cpu_kv_tokens(spec.kv_cache_gib, model_path),
+                    where=service.url,
+                )
+
+            return await validate(client, tokenizer, workload, profile, reset)
+
+    rows = asyncio.run(run())
+    print(table(rows))
+    for policy, (real, sim, profile) in rows.items():
+        print(profile.summary())
+        assert abs(ratio(sim.compaction_computed_tokens, real.compaction_computed_tokens) - 1) <= 0.05, policy
+        assert abs(ratio(sim.compaction_latency_s, real.compaction_latency_s) - 1) <= 0.25, policy
+    assert rows["pinned"][0].compaction_computed_tokens < rows["round_robin"][0].compaction_computed_tokens

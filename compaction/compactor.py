@@ -205,6 +205,10 @@ class Compactor:
                 self.cache.put(plan.scope, plan.history.token_ids, prompt.chunk, prompt.token_ids, text, stats)
         return self._merge(plan, per_chunk, time.perf_counter() - began)
 
+    def reusable(self, plan: CompactionPlan) -> frozenset[int]:
+        """Chunks whose summary the chunk cache already holds: `run` sends no prompt for them."""
+        return frozenset(k for k in range(len(plan.prompts)) if self._cached(plan, k) is not None)
+
     def _cached(self, plan: CompactionPlan, k: int) -> tuple[ChunkStats, str] | None:
         """Chunk k's summary from the cache, if this exact prompt was summarised before."""
         if self.cache is None:

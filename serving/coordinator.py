@@ -13,10 +13,11 @@ to the core's stats where the prompts went and how much of the history came from
 "History prompt tokens" (the affinity figure): for every chunk prompt, the leading tokens that
 are a verbatim copy of the session's rendered history (`ChunkPrompt.raw_prefix`; for
 `prefix_exact` that is history[0:end_k], for a sequential compaction the whole compacted span),
-summed over the chunks' first attempts. "History cached tokens": of those, the tokens vLLM
-reported as served from its prefix cache (per prompt, min(cached tokens, raw prefix)). The cache
-may have been filled by the agent's own turns or by the compaction's earlier prompts on the
-same replica; both are prefill the compaction did not redo.
+summed over the first attempts of the prompts sent (a chunk reused from the chunk cache sends
+none). "History cached tokens": of those, the tokens vLLM reported as served from its prefix
+cache (per prompt, min(cached tokens, raw prefix)). The cache may have been filled by the agent's
+own turns or by the compaction's earlier prompts on the same replica; both are prefill the
+compaction did not redo.
 """
 
 from __future__ import annotations
@@ -239,7 +240,8 @@ class Coordinator:
         replicas = max(1, await runtime.replicas())
         gate = self._gates[job.model]
         gate.resize(runtime.batch_sequences * replicas)
-        async with gate.admitted(len(plan.prompts)) as waited:
+        sequences = len(plan.prompts) - len(compactor.reusable(plan))  # chunks from the cache send no prompt
+        async with gate.admitted(sequences) as waited:
             result = await self._run(runtime, plan, job, replicas)
         return result.model_copy(update={"stats": result.stats.model_copy(update={"queue_wait_s": round(waited, 4)})})
 
@@ -278,7 +280,7 @@ class Coordinator:
     def _result(
         plan: CompactionPlan, placement: Placement, result: CompactionResult, recorder: Recorder, session: str | None
     ) -> ServiceResult:
-        history_prompt = sum(p.raw_prefix for p in plan.prompts)
+        history_prompt = sum(p.raw_prefix for p in plan.prompts if p.token_ids in recorder.first)  # prompts sent
         history_cached = sum(
             min(recorder.first[p.token_ids].cached_prompt_tokens, p.raw_prefix)
             for p in plan.prompts

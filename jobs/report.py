@@ -93,6 +93,7 @@ def episodes(rows: pd.DataFrame) -> pd.DataFrame:
 
 def tau_table(runs: pd.DataFrame) -> pd.DataFrame:
     """(c) Configurations run at two or more τ: compaction count and share of end-to-end time."""
+    runs = runs[runs.kind == "agent"]
     cols = [*AGENT_KEYS, "tau", "compaction_count", "compaction_time_s", "e2e_s", "compaction_share"]
     varied = runs.groupby(AGENT_KEYS, dropna=False).tau.transform("nunique") > 1
     return runs[varied][cols].sort_values([*AGENT_KEYS, "tau"]).reset_index(drop=True)
@@ -112,9 +113,26 @@ def chunk_table(runs: pd.DataFrame) -> pd.DataFrame:
         "output_tokens_total",
         "summary_tokens_total",
     ]
+    runs = runs[runs.kind == "agent"]
     shapes = runs.strategy + ":" + runs.chunk_tokens.astype(str)
     varied = shapes.groupby([runs[k] for k in SHAPE], dropna=False).transform("nunique") > 1
     return runs[varied][cols].sort_values([*SHAPE, "strategy", "chunk_tokens"]).reset_index(drop=True)
+
+
+CHAT_KEYS = ["model", "dataset", "tau", "chunk_tokens", "mode"]
+
+
+def chat_agent_table(rows: pd.DataFrame, runs: pd.DataFrame) -> pd.DataFrame:
+    """The agent through the chat endpoint: its stall per compaction mode, on the same stream and τ."""
+    chat = runs[runs.kind == "chat_agent"].copy()
+    if chat.empty:
+        return pd.DataFrame()
+    questions = rows[(rows.kind == "chat_agent") & (rows.event == "turn") & (rows.step == "question")]
+    chat = chat.join(questions.groupby("cell_id").f1.mean().rename("answer_f1"), on="cell_id")
+    chat["stall_share"] = chat.compaction_time_s / chat.e2e_s
+    cols = [*CHAT_KEYS, "compaction_count", "compaction_time_s", "stall_share", "e2e_s", "reused_chunks", "answer_f1"]
+    table = chat[cols].rename(columns={"compaction_time_s": "stall_s"})
+    return table.sort_values(CHAT_KEYS, na_position="first").reset_index(drop=True)
 
 
 def quality(rows: pd.DataFrame) -> pd.DataFrame:
@@ -237,6 +255,24 @@ def plot_tau(table: pd.DataFrame, path: Path) -> None:
     plt.close(fig)
 
 
+def plot_chat_agent(table: pd.DataFrame, path: Path) -> None:
+    settings = table.groupby(["model", "dataset", "tau"], dropna=False)
+    fig, axes = plt.subplots(1, settings.ngroups, figsize=(5 * settings.ngroups, 4), squeeze=False)
+    for ax, ((model, dataset, tau), group) in zip(axes[0], settings, strict=True):
+        labels = [
+            f"{m}\nB={b}" if pd.notna(b) else str(m) for m, b in zip(group["mode"], group.chunk_tokens, strict=True)
+        ]
+        ax.bar(labels, group.stall_s, color="tab:red", label="waiting for compaction")
+        ax.bar(labels, group.e2e_s - group.stall_s, bottom=group.stall_s, color="tab:gray", label="everything else")
+        ax.set(ylabel="seconds", title=f"{dataset} τ={tau} ({model})")
+        ax.tick_params(axis="x", labelsize=7)
+        ax.legend(fontsize=8)
+    fig.suptitle("The agent through /v1/chat/completions: end-to-end time and its stall, per compaction mode")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def plot_chunks(table: pd.DataFrame, path: Path) -> None:
     fig, (volume, latency) = plt.subplots(1, 2, figsize=(10, 4))
     for key, group in table.groupby(SHAPE, dropna=False):
@@ -277,6 +313,7 @@ def write_report(results: Path, out: Path) -> Path:
         "stability": stability(rows),
         "tau": tau_table(runs),
         "chunking": chunk_table(runs),
+        "chat_agent": chat_agent_table(rows, runs),
         "quality": quality(rows),
         "retention": retention(rows),
         "retention_by_kind": retention_by_kind(rows),
@@ -285,6 +322,7 @@ def write_report(results: Path, out: Path) -> Path:
         "output_length": plot_output_length,
         "tau": plot_tau,
         "chunking": plot_chunks,
+        "chat_agent": plot_chat_agent,
         "retention": plot_retention,
     }
     for name, plot in figures.items():
@@ -301,6 +339,7 @@ TITLES = {
     "stability": "(b) Run-to-run stability of repeated summaries",
     "tau": "(c) Compaction share of end-to-end time and compaction count vs τ",
     "chunking": "(d) Parallel vs sequential over chunk sizes at matched decode volume",
+    "chat_agent": "The agent through the chat endpoint: stall per compaction mode (server-side compaction)",
     "quality": "Answer quality",
     "retention": "Retention: recall of known facts and invented salient tokens, per strategy",
     "retention_by_kind": "Retention: exact recall per kind of fact",
@@ -308,6 +347,9 @@ TITLES = {
 NOTES = {
     "stability": "CV = sample standard deviation / mean of summary tokens; ROUGE-L = mean F1 over all pairs.",
     "chunking": "throughput = input tokens compacted per second of compaction; volume = summary tokens kept.",
+    "chat_agent": "stall_s: the agent-visible wait for compaction, summed over the run (blocking: every "
+    "compaction; background: what was left of it when the turn crossed τ); reused_chunks: chunk summaries "
+    "served from the chunk cache.",
     "quality": "Judge accuracy counts parsed verdicts only; judge_is_agent marks a judge that is the agent model.",
     "retention": "recall_exact: the fact's string occurs in the compacted history; recall_judged: the agent answered "
     "the fact's question from it and the judge agreed (parsed verdicts only; judge_is_agent marks a judge that is "

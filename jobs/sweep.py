@@ -167,7 +167,8 @@ def start_models(
             factory: Callable[[], Backend] = functools.partial(OpenAIBackend, backend.base_url or "", name)
             label = f"service {backend.base_url}"
             window, block = spec.max_model_len, spec.block_size
-            accesses[name] = ModelAccess(name, spec.resolved_source(), window, block, factory, label)
+            source = spec.resolved_source()
+            accesses[name] = ModelAccess(name, source, window, block, factory, label, backend.base_url)
         return accesses, []
     actor_class = ray.remote(EngineHost)
     actors: dict[str, Any] = {}

@@ -17,13 +17,14 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
 
 from jobs.agent.metrics import score_answer
 from jobs.agent.pipeline import SYSTEM_PROMPT, question_prompt
 from jobs.data.episodes import Document, Question, Step
 
-MODES = ("none", "blocking_sequential", "blocking_parallel", "background_parallel")
+ChatMode = Literal["none", "blocking_sequential", "blocking_parallel", "background_parallel"]
+MODES: tuple[ChatMode, ...] = get_args(ChatMode)
 ACK = "Noted."
 
 

@@ -19,8 +19,8 @@ import pyarrow as pa
 
 from compaction.backend import Backend
 from compaction.compactor import Compactor
+from compaction.errors import InvalidInput
 from compaction.history import Message, parse_messages
-from compaction.result import CompactionStats
 from compaction.tokenizer import HFChatTokenizer
 from jobs.agent.judge import Grade, Judge
 from jobs.agent.metrics import score_answer
@@ -29,8 +29,9 @@ from jobs.data.conversations import locomo_messages, truncate_history
 from jobs.data.datasets import LocomoSample, load_hotpotqa, load_locomo, load_locomo_mc
 from jobs.data.episodes import Question, Step, hotpotqa_steps, locomo_mc_steps, locomo_steps
 from jobs.data.facts import KnownHistory, coding_history, locomo_history
+from jobs.experiments.chat_agent import chat_agent_rows
 from jobs.experiments.grid import Cell
-from jobs.experiments.results import to_table
+from jobs.experiments.results import compaction_columns, to_table
 from jobs.experiments.retention import fact_rows, grounding_columns, recall, totals
 
 
@@ -44,6 +45,7 @@ class ModelAccess:
     block_size: int
     backend_factory: Callable[[], Backend]  # called inside the task
     label: str  # what served it, recorded in every row
+    base_url: str | None = None  # the service's URL (backend: service); chat_agent cells talk to its chat endpoint
 
 
 @runtime_checkable
@@ -55,25 +57,6 @@ class ResettableBackend(Protocol):
 def load_tokenizer(path: str) -> HFChatTokenizer:
     """One tokenizer per worker process and model (a Ray worker runs many cells)."""
     return HFChatTokenizer.from_path(path)
-
-
-def _compaction_columns(stats: CompactionStats) -> dict[str, Any]:
-    return {
-        "compacted": True,
-        "history_tokens": stats.history_tokens,
-        "input_tokens": stats.input_tokens,
-        "chunks": stats.chunks,
-        "prompt_tokens": stats.prompt_tokens,
-        "cached_prompt_tokens": stats.cached_prompt_tokens,
-        "computed_prefill_tokens": stats.computed_prefill_tokens,
-        "prefill_floor_tokens": stats.prefill_floor_tokens,
-        "output_tokens": stats.output_tokens,
-        "summary_tokens": stats.summary_tokens,
-        "compacted_tokens": stats.compacted_tokens,
-        "compaction_latency_s": stats.latency_s,
-        "retries": stats.retries,
-        "bad_chunks": len(stats.empty_or_runaway_chunks),
-    }
 
 
 def base_row(cell: Cell, access: ModelAccess, cold: bool) -> dict[str, Any]:
@@ -95,6 +78,7 @@ def base_row(cell: Cell, access: ModelAccess, cold: bool) -> dict[str, Any]:
         "repeat": cell.repeat,
         "backend": access.label,
         "cold_start": cold,
+        "mode": cell.mode,
     }
 
 
@@ -123,7 +107,7 @@ async def summary_rows(
     history: list[Message] = parse_messages(messages)
     options = matched_options(compactor, history, cell.compaction_options(), cell.summary_tokens)
     result = await compactor.compact(history, options)
-    row = {**base_row(cell, access, cold), "event": "summary", **_compaction_columns(result.stats)}
+    row = {**base_row(cell, access, cold), "event": "summary", **compaction_columns(result.stats)}
     return [{**row, "summary_text": result.summary}]
 
 
@@ -157,7 +141,7 @@ async def retention_rows(
             await close(grader.backend)
     stats = result.stats
     base = {**base_row(cell, access, cold), "label": known.label, "grounding_threshold": stats.grounding_threshold}
-    measured = {**_compaction_columns(stats), **grounding_columns(stats), **totals(results)}
+    measured = {**compaction_columns(stats), **grounding_columns(stats), **totals(results)}
     rows = [{**base, "event": "retention", **measured, "summary_text": result.summary}]
     return rows + [{**base, **row} for row in fact_rows(results, judge.name if judge else None, cell.model)]
 
@@ -186,7 +170,7 @@ def turn_row(turn: Turn) -> dict[str, Any]:
         "compacted": turn.compaction is not None,
     }
     if turn.compaction:
-        row |= _compaction_columns(turn.compaction)
+        row |= compaction_columns(turn.compaction)
     if turn.answer:
         answer = turn.answer
         row |= {
@@ -259,6 +243,14 @@ async def agent_rows(
     return [*rows, {**base, **episode_row(episode)}]
 
 
+async def chat_rows(cell: Cell, paths: dict[str, str], access: ModelAccess, cold: bool) -> list[dict[str, Any]]:
+    """A chat_agent cell: the agent through the service's chat endpoint (jobs.experiments.chat_agent)."""
+    if access.base_url is None:
+        raise InvalidInput("backend", "chat_agent cells run against the service: set backend.kind: service")
+    rows = await chat_agent_rows(cell, build_steps(cell, paths), access.base_url)
+    return [{**base_row(cell, access, cold), **row} for row in rows]
+
+
 async def run_cell(
     cell: Cell, paths: dict[str, str], agent: ModelAccess, judge: ModelAccess | None, cold_start: bool
 ) -> pa.Table:
@@ -272,6 +264,8 @@ async def run_cell(
             cold = True
         if cell.kind == "summary":
             rows = await summary_rows(cell, paths, agent, backend, cold)
+        elif cell.kind == "chat_agent":
+            rows = await chat_rows(cell, paths, agent, cold)
         elif cell.kind == "retention":
             rows = await retention_rows(cell, paths, agent, backend, judge, cold)
         else:

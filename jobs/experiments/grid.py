@@ -21,10 +21,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from compaction.errors import InvalidInput
 from compaction.options import GROUNDING_THRESHOLD, CompactionOptions, Layout, Strategy, Variant
+from jobs.agent.chat_loop import ChatMode
 from jobs.agent.judge import pick_judge
 from serving.models import Catalogue
 
-Kind = Literal["summary", "agent", "retention"]
+Kind = Literal["summary", "agent", "retention", "chat_agent"]
 DatasetName = Literal["hotpotqa", "locomo", "locomo_mc", "coding"]
 GENERATED: frozenset[str] = frozenset({"coding"})  # made by jobs.data.traces, no file to read
 # Layouts whose prompts carry the history before the chunk: they need the whole snapshot within the window.
@@ -74,7 +75,8 @@ class Experiment(BaseModel):
     name: str = Field(pattern=r"^[a-z0-9_]+$", description="Block name; prefixes its cells' ids.")
     kind: Kind = Field(
         description="summary: compact a fixed snapshot; agent: run the agent over a stream; retention: compact a "
-        "history with known facts (coding traces, LoCoMo QA evidence) and measure what survives."
+        "history with known facts (coding traces, LoCoMo QA evidence) and measure what survives; chat_agent: the "
+        "agent through a running service's /v1/chat/completions, compacted server-side (backend: service)."
     )
     datasets: list[DatasetName] = Field(
         min_length=1, description="summary: LoCoMo only; retention: coding and/or locomo; agent: the QA sets."
@@ -83,7 +85,13 @@ class Experiment(BaseModel):
     chunk_tokens: list[int] = Field([2048], min_length=1, description="Chunk sizes B (parallel only).")
     layouts: list[Layout] = Field(["prefix_exact"], min_length=1, description="Chunk prompt layouts (parallel).")
     variants: list[Variant] = Field(["default"], min_length=1)
-    taus: list[int] | None = Field(None, description="agent: compaction thresholds τ in tokens.")
+    taus: list[int] | None = Field(None, description="agent, chat_agent: compaction thresholds τ in tokens.")
+    modes: list[ChatMode] | None = Field(
+        None, description="chat_agent: none, blocking_sequential, blocking_parallel, background_parallel."
+    )
+    background_share: float = Field(
+        0.625, gt=0, lt=1, description="chat_agent: background_threshold of background_parallel, as a share of τ."
+    )
     input_tokens: list[int] | None = Field(None, description="summary, retention: history sizes in tokens.")
     grounding_thresholds: list[float] | None = Field(
         None,
@@ -110,8 +118,12 @@ class Experiment(BaseModel):
 
     @model_validator(mode="after")
     def _axes(self) -> Experiment:
-        if self.kind == "agent" and not self.taus:
-            raise ValueError(f"{self.name}: an agent experiment needs taus")
+        if self.kind in ("agent", "chat_agent") and not self.taus:
+            raise ValueError(f"{self.name}: an {self.kind} experiment needs taus")
+        if (self.kind == "chat_agent") != bool(self.modes):
+            raise ValueError(f"{self.name}: modes are for chat_agent experiments, which need them")
+        if self.kind == "chat_agent" and not set(self.datasets) <= {"locomo", "hotpotqa"}:
+            raise ValueError(f"{self.name}: chat_agent experiments read LoCoMo or HotpotQA")
         if self.kind in ("summary", "retention") and not self.input_tokens:
             raise ValueError(f"{self.name}: a {self.kind} experiment needs input_tokens")
         if self.kind == "summary" and self.datasets != ["locomo"]:
@@ -143,6 +155,9 @@ class SweepConfig(BaseModel):
         names = [e.name for e in self.experiments]
         if len(set(names)) != len(names):
             raise ValueError(f"experiment names repeat: {names}")
+        chat = [e.name for e in self.experiments if e.kind == "chat_agent"]
+        if chat and self.backend.kind != "service":
+            raise ValueError(f"{chat}: chat_agent experiments run against the service (backend: kind: service)")
         return self
 
     def check_models(self, catalogue: Catalogue) -> None:
@@ -175,17 +190,21 @@ class Cell(BaseModel):
     questions_per_document: int | None
     sample_id: str | None
     grounding_threshold: float | None = None  # None: the option's default (and ids of older cells unchanged)
+    mode: ChatMode | None = None  # chat_agent: how the service compacts (None elsewhere; ids unchanged)
+    background_threshold: int | None = None  # chat_agent, background_parallel: the soft threshold
 
     @property
     def cell_id(self) -> str:
-        params = {k: v for k, v in self.model_dump().items() if k != "grounding_threshold" or v is not None}
+        optional = ("grounding_threshold", "mode", "background_threshold")
+        params = {k: v for k, v in self.model_dump().items() if k not in optional or v is not None}
         digest = hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()[:10]
         shape = {"sequential": "seq", "extractive": f"ext{self.chunk_tokens}"}.get(
             self.strategy, f"par{self.chunk_tokens}"
         )
-        size = f"tau{self.tau}" if self.kind == "agent" else f"in{self.input_tokens}"
+        size = f"tau{self.tau}" if self.tau is not None else f"in{self.input_tokens}"
         threshold = "" if self.grounding_threshold is None else f"-g{self.grounding_threshold:g}"
-        return f"{self.experiment}-{self.dataset}-{shape}-{size}-{self.variant}{threshold}-r{self.repeat}-{digest}"
+        where = self.dataset if self.mode is None else f"{self.dataset}-{self.mode}"
+        return f"{self.experiment}-{where}-{shape}-{size}-{self.variant}{threshold}-r{self.repeat}-{digest}"
 
     def compaction_options(self) -> CompactionOptions:
         parallel = self.strategy == "parallel"
@@ -208,8 +227,24 @@ class Expansion(BaseModel):
     dropped: list[tuple[Cell, str]] = Field(description="Cells that cannot run, with the reason.")
 
 
-def _shapes(e: Experiment) -> list[tuple[Strategy, int | None, str]]:
-    """(strategy, chunk, layout) combinations; sequential has no chunk size or layout, extractive no layout."""
+Shape = tuple[ChatMode | None, Strategy, int | None, str]  # (chat mode, strategy, chunk, layout)
+
+
+def _shapes(e: Experiment) -> list[Shape]:
+    """(mode, strategy, chunk, layout) combinations; sequential has no chunk size or layout, extractive no layout.
+
+    chat_agent blocks cross their modes with the chunk sizes; the mode sets the strategy.
+    """
+    if e.kind == "chat_agent":
+        modes = e.modes or []
+        shapes: list[Shape] = [(m, "sequential", None, "sequential") for m in modes if m == "blocking_sequential"]
+        shapes += [(m, "parallel", None, "none") for m in modes if m == "none"]
+        parallel = [m for m in modes if m.endswith("_parallel")]
+        return shapes + [(m, "parallel", b, "prefix_exact") for m in parallel for b in e.chunk_tokens]
+    return [(None, *shape) for shape in _compaction_shapes(e)]
+
+
+def _compaction_shapes(e: Experiment) -> list[tuple[Strategy, int | None, str]]:
     out: list[tuple[Strategy, int | None, str]] = []
     for strategy in e.strategies:
         if strategy == "sequential":
@@ -227,12 +262,13 @@ def expand(config: SweepConfig, catalogue: Catalogue) -> Expansion:
     cells: list[Cell] = []
     dropped: list[tuple[Cell, str]] = []
     for e in config.experiments:
-        sizes = e.taus if e.kind == "agent" else e.input_tokens
+        agentic = e.kind in ("agent", "chat_agent")
+        sizes = e.taus if agentic else e.input_tokens
         thresholds: list[float | None] = [*e.grounding_thresholds] if e.grounding_thresholds else [None]
         axes = itertools.product(
             config.models, e.datasets, _shapes(e), sizes or [], e.variants, thresholds, range(e.repeats)
         )
-        for model, dataset, (strategy, chunk, layout), size, variant, threshold, repeat in axes:
+        for model, dataset, (mode, strategy, chunk, layout), size, variant, threshold, repeat in axes:
             judged = config.judges and e.kind != "summary" and e.judge
             judge = pick_judge(model, config.judges) if judged else None
             cell = Cell(
@@ -245,8 +281,8 @@ def expand(config: SweepConfig, catalogue: Catalogue) -> Expansion:
                 chunk_tokens=chunk,
                 layout=layout,
                 variant=variant,
-                tau=size if e.kind == "agent" else None,
-                input_tokens=size if e.kind != "agent" else None,
+                tau=size if agentic else None,
+                input_tokens=size if not agentic else None,
                 summary_tokens=e.summary_tokens,
                 answer_tokens=e.answer_tokens,
                 temperature=e.temperature,
@@ -257,6 +293,8 @@ def expand(config: SweepConfig, catalogue: Catalogue) -> Expansion:
                 questions_per_document=e.questions_per_document,
                 sample_id=e.sample_id,
                 grounding_threshold=threshold,
+                mode=mode,
+                background_threshold=int(size * e.background_share) if mode == "background_parallel" else None,
             )
             window = config.backend.max_model_len or catalogue.get(model).max_model_len
             need = size + e.summary_tokens + config.window_headroom_tokens

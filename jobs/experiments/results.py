@@ -19,6 +19,8 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
+from compaction.result import CompactionStats
+
 _I = pa.int32()
 _F = pa.float64()
 _S = pa.string()
@@ -47,6 +49,7 @@ SCHEMA = pa.schema(
         pa.field("repeat", _I, nullable=False),
         pa.field("backend", _S, nullable=False),
         pa.field("cold_start", _B, nullable=False),
+        pa.field("mode", _S),  # chat_agent: none, blocking_sequential, blocking_parallel, background_parallel
         # one agent turn
         pa.field("turn_index", _I),
         pa.field("step", _S),
@@ -58,6 +61,9 @@ SCHEMA = pa.schema(
         pa.field("answer_output_tokens", _I),
         pa.field("answer_latency_s", _F),
         pa.field("compaction_stall_s", _F),
+        pa.field("compaction_status", _S),  # chat_agent: applied, running or none
+        pa.field("compaction_source", _S),  # chat_agent, applied: background or blocking
+        pa.field("reused_chunks", _I),  # chunk summaries reused from the chunk cache
         # one compaction (summary rows; turn rows that compacted)
         pa.field("compacted", _B),
         pa.field("history_tokens", _I),
@@ -118,6 +124,26 @@ SCHEMA = pa.schema(
     ]
 )
 COLUMNS = frozenset(SCHEMA.names)
+
+
+def compaction_columns(stats: CompactionStats) -> dict[str, Any]:
+    """The result columns of one compaction (summary rows, and turn rows that compacted)."""
+    return {
+        "compacted": True,
+        "history_tokens": stats.history_tokens,
+        "input_tokens": stats.input_tokens,
+        "chunks": stats.chunks,
+        "prompt_tokens": stats.prompt_tokens,
+        "cached_prompt_tokens": stats.cached_prompt_tokens,
+        "computed_prefill_tokens": stats.computed_prefill_tokens,
+        "prefill_floor_tokens": stats.prefill_floor_tokens,
+        "output_tokens": stats.output_tokens,
+        "summary_tokens": stats.summary_tokens,
+        "compacted_tokens": stats.compacted_tokens,
+        "compaction_latency_s": stats.latency_s,
+        "retries": stats.retries,
+        "bad_chunks": len(stats.empty_or_runaway_chunks),
+    }
 
 
 def to_table(rows: Sequence[Mapping[str, Any]]) -> pa.Table:

@@ -27,6 +27,7 @@ from compaction.partition import Chunk
 
 SEGMENT = ("\n<segment>\n", "\n</segment>\n")
 TARGET = ("\n<target>\n", "\n</target>\n")
+_PROBE = "\x00"
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,18 @@ def opening_words(tokenizer: ChatTokenizer, ids: Sequence[int], words: int = 10)
     """The first words of a chunk, as the tail quotes them to point at the target."""
     text = re.sub(r"\s+", " ", tokenizer.decode(ids[:32])).strip().replace("“", "").replace("”", "")
     return " ".join(text.split(" ")[:words])
+
+
+def tail_ids(tokenizer: ChatTokenizer, closed: bool, instructions: str) -> tuple[int, ...]:
+    """Close the open turn, then a user turn holding the instructions, then the generation prompt.
+
+    The instructions are tokenised as text: they quote the chunk's opening words, which are
+    conversation content and may spell control tokens.
+    """
+    before, after = tokenizer.user_turn(_PROBE).split(_PROBE)
+    markup = ("" if closed else tokenizer.end_of_turn) + before
+    text, _ = tokenizer.encode_with_offsets(instructions, as_text=True)
+    return (*tokenizer.encode(markup), *text, *tokenizer.encode(after))
 
 
 def _body(
@@ -112,8 +125,8 @@ def build_prompts(
         )
         extra = (options.chunk_instructions or {}).get(k)
         text = instruction_text(options.variant, target, options.max_chunk_summary_tokens, extra, strict)
-        tail = ("" if closed else tokenizer.end_of_turn) + tokenizer.user_turn(text)
-        prompts.append(ChunkPrompt(chunk, tuple(body), tuple(tokenizer.encode(tail)), raw, hist))
+        tail = tail_ids(tokenizer, closed, text)
+        prompts.append(ChunkPrompt(chunk, tuple(body), tail, raw, hist))
     return tuple(prompts)
 
 

@@ -17,12 +17,12 @@ import pyarrow as pa
 
 from compaction.backend import Backend
 from compaction.compactor import Compactor
-from compaction.history import Message, parse_messages
+from compaction.history import ChatTokenizer, Message, parse_messages
 from compaction.result import CompactionStats
 from compaction.tokenizer import HFChatTokenizer
 from jobs.agent.judge import Grade, Judge
 from jobs.agent.metrics import hotpot_em, hotpot_f1, locomo_f1, mc_choice
-from jobs.agent.pipeline import AgentPipeline, AgentSettings, AgentTokenizer, Episode, Turn, matched_options
+from jobs.agent.pipeline import AgentPipeline, AgentSettings, Episode, Turn, matched_options
 from jobs.data.conversations import locomo_messages, truncate_history
 from jobs.data.datasets import LocomoSample, load_hotpotqa, load_locomo, load_locomo_mc
 from jobs.data.episodes import Question, Step, hotpotqa_steps, locomo_mc_steps, locomo_steps
@@ -95,7 +95,7 @@ def base_row(cell: Cell, access: ModelAccess, cold: bool) -> dict[str, Any]:
 
 
 def snapshot(
-    samples: Sequence[LocomoSample], sample_id: str | None, tokens: int, tokenizer: AgentTokenizer
+    samples: Sequence[LocomoSample], sample_id: str | None, tokens: int, tokenizer: ChatTokenizer
 ) -> list[dict[str, Any]]:
     """LoCoMo conversations from `sample_id` on, concatenated, cut to whole messages within `tokens`."""
     start = next((i for i, s in enumerate(samples) if s.sample_id == sample_id), 0) if sample_id else 0

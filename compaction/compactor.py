@@ -21,11 +21,12 @@ from compaction.history import (
     render_history,
     template_view,
 )
-from compaction.layouts import ChunkPrompt, build_prompts, prefill_floor
+from compaction.layouts import ChunkPrompt, lay_out
 from compaction.options import CompactionOptions
 from compaction.partition import Chunk, partition
 from compaction.quality import collapse_repeats, judge
 from compaction.result import ChunkStats, CompactionResult, CompactionStats
+from compaction.validity import check_history, check_output, turn_start
 
 SUMMARY_HEADER = "Summary of the earlier conversation (compacted):"
 RETRY_REPETITION_PENALTY = 1.3
@@ -43,6 +44,7 @@ class CompactionPlan:
     prompts: tuple[ChunkPrompt, ...]  # one per chunk, in chunk order
     strict_prompts: tuple[ChunkPrompt, ...]  # same bodies, stricter tails (retries)
     prefill_floor_tokens: int
+    windows: int = 1  # groups of chunk prompts sharing a window start (windowed layout), else 1
 
     @property
     def chunks(self) -> tuple[Chunk, ...]:
@@ -67,7 +69,9 @@ class Compactor:
     ) -> CompactionPlan:
         """Validate, render once, partition and lay out. Raises InvalidInput naming the problem."""
         opts = CompactionOptions.parse(options)
-        history = render_history(parse_messages(messages), self.tokenizer)
+        parsed = parse_messages(messages)
+        check_history(parsed)
+        history = render_history(parsed, self.tokenizer)
         head, tail_from = self._kept_ends(history, opts.keep_recent_tokens)
         starts = (*history.message_starts, len(history.token_ids))
         span = (starts[head], starts[tail_from])
@@ -80,11 +84,19 @@ class Compactor:
                 "chunk_instructions",
                 f"names chunk {max(opts.chunk_instructions)} but there are {len(chunks)}",
             )
-        prompts = build_prompts(history, self.tokenizer, opts, chunks, span[1])
-        self._check_window(prompts, opts)
-        strict = build_prompts(history, self.tokenizer, opts, chunks, span[1], strict=True)
-        floor = prefill_floor(prompts, span[1], self.block_size)
-        return CompactionPlan(opts, history, head, tail_from, span, prompts, strict, floor)
+        laid = lay_out(history, self.tokenizer, opts, chunks, span[1], self.context_window, self.block_size)
+        self._check_window((*laid.prompts, *laid.strict_prompts), laid.options)
+        return CompactionPlan(
+            laid.options,
+            history,
+            head,
+            tail_from,
+            span,
+            laid.prompts,
+            laid.strict_prompts,
+            laid.floor,
+            len(laid.windows),
+        )
 
     @staticmethod
     def _kept_ends(history: RenderedHistory, keep_recent_tokens: int) -> tuple[int, int]:
@@ -99,6 +111,7 @@ class Compactor:
         tail_from = count
         while tail_from > head and starts[count] - starts[tail_from - 1] <= keep_recent_tokens:
             tail_from -= 1
+        tail_from = turn_start(history.messages, tail_from, head)
         if tail_from == head:
             raise InvalidInput(
                 "keep_recent_tokens",
@@ -115,14 +128,14 @@ class Compactor:
                 raise ContextOverflow(
                     "messages",
                     f"the history ({len(p.body)} tokens) plus instructions and the summary budget needs {need} "
-                    f"tokens, over the model window of {self.context_window}; use strategy=parallel with "
-                    "layout=independent, or keep fewer tokens",
+                    f"tokens, over the model window of {self.context_window}; use strategy=parallel (its default "
+                    "layout=auto fits any history), or keep fewer tokens",
                 )
             raise ContextOverflow(
                 "messages",
                 f"the prompt of chunk {p.chunk.index} needs {need} tokens, over the model window of "
                 f"{self.context_window} ({opts.layout} puts the history before the chunk in the prompt); "
-                "use layout=independent or compact a shorter history",
+                "use layout=auto (windowed when the history is too long) or compact a shorter history",
             )
 
     async def compact(
@@ -212,6 +225,7 @@ class Compactor:
             Message(role="user", content=f"{SUMMARY_HEADER}\n{summary}"),
             *plan.history.messages[plan.kept_tail_from :],
         ]
+        check_output(messages)
         compacted = len(self.tokenizer.encode(self.tokenizer.render([template_view(m) for m in messages])))
         opts = plan.options
         return CompactionResult(
@@ -228,6 +242,7 @@ class Compactor:
                 cached_prompt_tokens=sum(s.cached_prompt_tokens for s in stats),
                 computed_prefill_tokens=sum(s.computed_prefill_tokens for s in stats),
                 prefill_floor_tokens=plan.prefill_floor_tokens,
+                windows=plan.windows,
                 output_tokens=sum(s.output_tokens for s in stats),
                 summary_tokens=len(self.tokenizer.encode(summary)),
                 compacted_tokens=compacted,

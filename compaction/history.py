@@ -38,6 +38,10 @@ class TextPart(BaseModel):
     text: str
 
 
+def _unset(value: object) -> bool:
+    return value is None
+
+
 class Message(BaseModel):
     """One OpenAI-style chat message. Frozen: the core never edits the caller's messages."""
 
@@ -46,9 +50,13 @@ class Message(BaseModel):
     content: str | list[TextPart] | None = Field(
         default=None, description="Text, or a list of text parts; null only beside tool_calls."
     )
-    name: str | None = Field(default=None, description="Optional speaker name.")
-    tool_calls: list[ToolCall] | None = Field(default=None, description="Tool calls of an assistant turn.")
-    tool_call_id: str | None = Field(default=None, description="The call a tool message answers.")
+    # Unset optional fields are left out of the dump (the OpenAI schema refuses `null` for them), so a
+    # compacted history goes straight back into /v1/chat/completions.
+    name: str | None = Field(default=None, description="Optional speaker name.", exclude_if=_unset)
+    tool_calls: list[ToolCall] | None = Field(
+        default=None, description="Tool calls of an assistant turn.", exclude_if=_unset
+    )
+    tool_call_id: str | None = Field(default=None, description="The call a tool message answers.", exclude_if=_unset)
 
     def text(self) -> str:
         """The message content as one string (text parts joined)."""

@@ -28,7 +28,7 @@ def target_phrase(layout: Layout | None, index: int, count: int, opening: str) -
     if layout is None:
         return "the conversation above"
     part = f"part {index + 1} of {count} of the conversation above"
-    if layout == "prefix_exact":
+    if layout in ("prefix_exact", "windowed", "auto"):
         if count == 1:
             return "the conversation above"
         return (

@@ -9,6 +9,7 @@ bodies `{"error": {"message", "type", "param", "code"}}` naming the offending fi
     field fails validation                 422      unknown model                   404
     compactions at their limit (Overloaded) 429 + Retry-After
     no replica could finish it (BackendError, Serve back-pressure)  503 + Retry-After
+    the core broke its own contract (InvalidOutput: a bug)         500
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 from starlette.types import Message as AsgiMessage
 
-from compaction.errors import BackendError, InvalidInput, ModelNotAvailable, Overloaded, UnknownModel
+from compaction.errors import BackendError, InvalidInput, InvalidOutput, ModelNotAvailable, Overloaded, UnknownModel
 from compaction.history import Message
 from compaction.options import CompactionOptions
 from serving.coordinator import CompactJob, Failure, ServiceResult
@@ -48,6 +49,7 @@ ERRORS: tuple[tuple[type[Exception], int, str, float | None], ...] = (
     (BackendError, 503, "service_unavailable", 5.0),
     (ModelNotAvailable, 503, "service_unavailable", 30.0),
     (BackPressureError, 503, "service_unavailable", 5.0),
+    (InvalidOutput, 500, "internal_error", None),
 )
 
 

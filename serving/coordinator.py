@@ -31,6 +31,7 @@ from compaction.errors import (
     CompactionError,
     ContextOverflow,
     InvalidInput,
+    InvalidOutput,
     ModelNotAvailable,
     Overloaded,
     UnknownModel,
@@ -72,10 +73,11 @@ class ServiceResult(BaseModel):
 
 
 ErrorKind = Literal[
-    "UnknownModel", "ContextOverflow", "InvalidInput", "Overloaded", "BackendError", "ModelNotAvailable"
-]
+    "UnknownModel", "ContextOverflow", "InvalidInput", "Overloaded", "BackendError", "ModelNotAvailable",
+    "InvalidOutput",
+]  # fmt: skip
 _KINDS: tuple[type[CompactionError], ...] = (
-    UnknownModel, ContextOverflow, InvalidInput, Overloaded, BackendError, ModelNotAvailable,
+    UnknownModel, ContextOverflow, InvalidInput, Overloaded, BackendError, ModelNotAvailable, InvalidOutput,
 )  # fmt: skip
 
 

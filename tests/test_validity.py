@@ -123,8 +123,8 @@ def keep_values(tokenizer: HFChatTokenizer, messages: list[dict[str, Any]]) -> l
     return sorted({0} | sizes | {s - 1 for s in sizes})
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(spec=st.lists(turns, min_size=1, max_size=14), with_system=st.booleans(), chunk=st.sampled_from([16, 48, 128]))
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(spec=st.lists(turns, min_size=1, max_size=10), with_system=st.booleans(), chunk=st.sampled_from([16, 48, 128]))
 async def test_every_output_is_valid_for_every_keep_recent_tokens(
     tokenizer: HFChatTokenizer, spec: list, with_system: bool, chunk: int
 ) -> None:

@@ -1,6 +1,6 @@
 """A coding-agent history beyond the model window, compacted over HTTP with the default options.
 
-    python -m jobs.bench_history [--seed 0] [--tokens 20000] [--replicas 1] [--port N] [--json PATH]
+    python -m jobs.bench_history [--seed 0] [--tokens 20000] [--replicas 1] [--port N] [--timeout-s 3600] [--json PATH]
 
 Starts the service on the CPU default (SmolLM2-135M, 8k window), generates a coding-agent session
 of about `--tokens` tokens (`jobs.data.traces`: tool calls, tool results, five planted facts),
@@ -19,6 +19,9 @@ import logging
 import socket
 import sys
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +70,21 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def waiting(request: Callable[[], httpx.Response], every_s: float = 60) -> httpx.Response:
+    """Run one long request, saying every minute that it is still running."""
+    began = time.perf_counter()
+    with ThreadPoolExecutor(1) as pool:
+        future = pool.submit(request)
+        while True:
+            try:
+                response = future.result(timeout=every_s)
+                break
+            except FutureTimeout:
+                say(f"still compacting after {time.perf_counter() - began:.0f} s")
+    say(f"answered {response.status_code} after {time.perf_counter() - began:.0f} s")
+    return response
+
+
 def run(args: argparse.Namespace) -> int:
     from ray import serve
 
@@ -76,14 +94,15 @@ def run(args: argparse.Namespace) -> int:
 
     trace = coding_trace(args.seed, args.tokens, HFChatTokenizer.from_path(fetch()))
     say(f"coding-agent session: seed {args.seed}, {len(trace.messages)} messages, about {args.tokens} tokens")
-    service_args = {"replicas": {MODEL: {"min": args.replicas, "max": args.replicas, "initial": args.replicas}}}
-    port = args.port or free_port()
-    with LocalService(port, service_args) as service, httpx.Client(base_url=service.url, timeout=1800) as client:
+    service_args = {
+        "replicas": {MODEL: {"min": args.replicas, "max": args.replicas, "initial": args.replicas}},
+        "compaction_timeout_s": args.timeout_s,
+    }
+    port, wait_s = args.port or free_port(), args.timeout_s + 60
+    with LocalService(port, service_args) as service, httpx.Client(base_url=service.url, timeout=wait_s) as client:
         serve.get_deployment_handle("Coordinator", app_name=APP_NAME).reset_prefix_cache.remote(MODEL).result()
-        say("POST /v1/compact with the default options (fresh prefix caches); progress is the engines' prefill")
-        began = time.perf_counter()
-        response = client.post("/v1/compact", json={"model": MODEL, "messages": trace.messages})
-        say(f"answered {response.status_code} after {time.perf_counter() - began:.0f} s")
+        say("POST /v1/compact with the default options (fresh prefix caches; about 2 min on 2 quiet cores)")
+        response = waiting(lambda: client.post("/v1/compact", json={"model": MODEL, "messages": trace.messages}))
         if response.status_code != 200:
             print(f"POST /v1/compact answered {response.status_code}: {response.text[:1000]}")
             return 1
@@ -112,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=20_000, help="About this many tokens of history")
     parser.add_argument("--replicas", type=int, default=1, choices=range(1, 9), metavar="1..8")
     parser.add_argument("--port", type=int, default=None, help="HTTP port on 127.0.0.1 (default: a free one)")
+    parser.add_argument("--timeout-s", type=float, default=3600, help="The service's compaction time limit")
     parser.add_argument("--json", type=Path, default=None, help="Also write the row and the stats here")
     args = parser.parse_args(argv)
     logging.getLogger("httpx").setLevel(logging.WARNING)

@@ -29,11 +29,12 @@ from compaction.history import (
     render_history,
     template_view,
 )
-from compaction.layouts import ChunkPrompt, build_prompts, prefill_floor
+from compaction.layouts import ChunkPrompt, lay_out
 from compaction.options import CompactionOptions
 from compaction.partition import Chunk, partition
 from compaction.result import ChunkStats, CompactionResult, CompactionStats
 from compaction.settle import Attempt, Settled, settle, should_retry
+from compaction.validity import check_history, check_output, turn_start
 
 SUMMARY_HEADER = "Summary of the earlier conversation (compacted):"
 RETRY_REPETITION_PENALTY = 1.3
@@ -59,6 +60,7 @@ class CompactionPlan:
     prompts: tuple[ChunkPrompt, ...]  # one per chunk, in chunk order; none when extractive
     strict_prompts: tuple[ChunkPrompt, ...]  # same bodies, stricter tails (retries)
     prefill_floor_tokens: int
+    windows: int = 1  # groups of chunk prompts sharing a window start (windowed layout), else 1
 
 
 class Compactor:
@@ -86,7 +88,9 @@ class Compactor:
     ) -> CompactionPlan:
         """Validate, render once, partition and lay out. Raises InvalidInput naming the problem."""
         opts = CompactionOptions.parse(options)
-        history = render_history(parse_messages(messages), self.tokenizer)
+        parsed = parse_messages(messages)
+        check_history(parsed)
+        history = render_history(parsed, self.tokenizer)
         system, head, summaries, tail_from = self._kept_ends(history, opts)
         starts = (*history.message_starts, len(history.token_ids))
         span = (starts[head], starts[tail_from])
@@ -107,11 +111,22 @@ class Compactor:
         carried = starts[head] - starts[system]
         if opts.strategy == "extractive":
             return CompactionPlan(opts, history, head, tail_from, carried, scope, span, chunks, (), (), 0)
-        prompts = build_prompts(history, self.tokenizer, opts, chunks, span[1])
-        self._check_window(prompts, opts)
-        strict = build_prompts(history, self.tokenizer, opts, chunks, span[1], strict=True)
-        floor = prefill_floor(prompts, span[1], self.block_size)
-        return CompactionPlan(opts, history, head, tail_from, carried, scope, span, chunks, prompts, strict, floor)
+        laid = lay_out(history, self.tokenizer, opts, chunks, span[1], self.context_window, self.block_size)
+        self._check_window((*laid.prompts, *laid.strict_prompts), laid.options)
+        return CompactionPlan(
+            laid.options,
+            history,
+            head,
+            tail_from,
+            carried,
+            scope,
+            span,
+            chunks,
+            laid.prompts,
+            laid.strict_prompts,
+            laid.floor,
+            len(laid.windows),
+        )
 
     @staticmethod
     def _kept_ends(history: RenderedHistory, opts: CompactionOptions) -> tuple[int, int, int, int]:
@@ -140,6 +155,7 @@ class Compactor:
         if opts.keep_current_turn:
             users = [i for i in range(head, count) if history.messages[i].role == "user"]
             tail_from = min(tail_from, users[-1]) if users else tail_from
+        tail_from = turn_start(history.messages, tail_from, head)
         if tail_from == head:
             field = "keep_current_turn" if opts.keep_current_turn else "keep_recent_tokens"
             message = f"keeps the whole history verbatim ({keep} recent tokens); nothing to compact"
@@ -155,14 +171,14 @@ class Compactor:
                 raise ContextOverflow(
                     "messages",
                     f"the history ({len(p.body)} tokens) plus instructions and the summary budget needs {need} "
-                    f"tokens, over the model window of {self.context_window}; use strategy=parallel with "
-                    "layout=independent, or keep fewer tokens",
+                    f"tokens, over the model window of {self.context_window}; use strategy=parallel (its default "
+                    "layout=auto fits any history), or keep fewer tokens",
                 )
             raise ContextOverflow(
                 "messages",
                 f"the prompt of chunk {p.chunk.index} needs {need} tokens, over the model window of "
                 f"{self.context_window} ({opts.layout} puts the history before the chunk in the prompt); "
-                "use layout=independent or compact a shorter history",
+                "use layout=auto (windowed when the history is too long) or compact a shorter history",
             )
 
     async def compact(
@@ -304,6 +320,7 @@ class Compactor:
             Message(role="user", content=f"{SUMMARY_HEADER}\n{summary}"),
             *plan.history.messages[plan.kept_tail_from :],
         ]
+        check_output(messages)
         compacted = len(self.tokenizer.encode(self.tokenizer.render([template_view(m) for m in messages])))
         opts = plan.options
         return CompactionResult(
@@ -322,6 +339,7 @@ class Compactor:
                 cached_prompt_tokens=sum(s.cached_prompt_tokens for s in stats),
                 computed_prefill_tokens=sum(s.computed_prefill_tokens for s in stats),
                 prefill_floor_tokens=plan.prefill_floor_tokens,
+                windows=plan.windows,
                 output_tokens=sum(s.output_tokens for s in stats),
                 summary_tokens=len(self.tokenizer.encode(summary)),
                 compacted_tokens=compacted,

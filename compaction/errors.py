@@ -32,6 +32,10 @@ class UnknownModel(InvalidInput):
     """The request names a model the service does not host."""
 
 
+class InvalidOutput(CompactionError):
+    """The core produced a result that breaks its own contract (a bug); it is never returned."""
+
+
 class BackendError(CompactionError):
     """The model backend failed (engine error, replica died, HTTP error)."""
 

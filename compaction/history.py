@@ -13,6 +13,7 @@ from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from compaction.content import Span, content_spans, encode_rendering
 from compaction.errors import InvalidInput
 
 Role = Literal["system", "user", "assistant", "tool"]
@@ -37,6 +38,10 @@ class TextPart(BaseModel):
     text: str
 
 
+def _unset(value: object) -> bool:
+    return value is None
+
+
 class Message(BaseModel):
     """One OpenAI-style chat message. Frozen: the core never edits the caller's messages."""
 
@@ -45,9 +50,13 @@ class Message(BaseModel):
     content: str | list[TextPart] | None = Field(
         default=None, description="Text, or a list of text parts; null only beside tool_calls."
     )
-    name: str | None = Field(default=None, description="Optional speaker name.")
-    tool_calls: list[ToolCall] | None = Field(default=None, description="Tool calls of an assistant turn.")
-    tool_call_id: str | None = Field(default=None, description="The call a tool message answers.")
+    # Unset optional fields are left out of the dump (the OpenAI schema refuses `null` for them), so a
+    # compacted history goes straight back into /v1/chat/completions.
+    name: str | None = Field(default=None, description="Optional speaker name.", exclude_if=_unset)
+    tool_calls: list[ToolCall] | None = Field(
+        default=None, description="Tool calls of an assistant turn.", exclude_if=_unset
+    )
+    tool_call_id: str | None = Field(default=None, description="The call a tool message answers.", exclude_if=_unset)
 
     def text(self) -> str:
         """The message content as one string (text parts joined)."""
@@ -105,8 +114,20 @@ class ChatTokenizer(Protocol):
         """The chat template applied to the messages (by default without a generation prompt)."""
         ...
 
-    def encode_with_offsets(self, text: str) -> tuple[list[int], list[int]]:
-        """Token ids of `text` (no special tokens added) and each token's start character."""
+    def encode_with_offsets(self, text: str, as_text: bool = False) -> tuple[list[int], list[int]]:
+        """Token ids of `text` (no special tokens added) and each token's start character.
+
+        `as_text`: control tokens spelled in `text` are tokenised as plain text, not parsed.
+        """
+        ...
+
+    @property
+    def control_token_ids(self) -> frozenset[int]:
+        """Ids the tokenizer parses out of text by their spelling (the template's markers among them)."""
+        ...
+
+    def preamble(self, first_role: str) -> str:
+        """Text the template writes before the first message's own turn when it has this role."""
         ...
 
     def encode(self, text: str) -> list[int]: ...
@@ -129,12 +150,12 @@ class RenderedHistory:
 
     messages: tuple[Message, ...]  # validated copies; the source of the verbatim parts of the output
     token_ids: tuple[int, ...]  # the whole history through the chat template, no generation prompt
-    message_starts: tuple[int, ...]  # token index where message i begins; len == len(messages)
+    message_starts: tuple[int, ...]  # token where message i's turn begins (the template's preamble precedes 0)
 
 
 def _prefix_end(views: Sequence[dict[str, str]], i: int, text: str, tokenizer: ChatTokenizer) -> int:
-    """Characters of `text` that render messages [0, i): the exact, O(i) way."""
-    prefix = tokenizer.render(views[:i]) if i else ""
+    """Characters of `text` before message i's turn: the exact, O(i) way."""
+    prefix = tokenizer.render(views[:i]) if i else tokenizer.preamble(views[0]["role"])
     if not text.startswith(prefix):
         raise InvalidInput(
             "messages",
@@ -144,33 +165,36 @@ def _prefix_end(views: Sequence[dict[str, str]], i: int, text: str, tokenizer: C
     return len(prefix)
 
 
-def _located_starts(views: Sequence[dict[str, str]], text: str, end_of_turn: str) -> list[int] | None:
-    """Each message's first character, found by locating its content and the turn end after it.
+def _located_starts(
+    views: Sequence[dict[str, str]], text: str, spans: Sequence[Span], tokenizer: ChatTokenizer
+) -> list[int] | None:
+    """Each message's first character: the preamble's end, then the turn end after each content.
 
     Linear in the history, where rendering every prefix is quadratic (a 250k-token history took
-    48 s). None when a message cannot be located this way (an empty or template-trimmed content).
+    48 s). None when the template does not close every turn right after its content.
     """
-    starts, pos = [0], 0
-    for view in views[:-1]:
-        at = text.find(view["content"], pos)
-        end = at + len(view["content"])
-        if at < 0 or not view["content"] or not text.startswith(end_of_turn, end):
+    starts = [len(tokenizer.preamble(views[0]["role"]))]
+    end_of_turn = tokenizer.end_of_turn
+    for _, end in spans[:-1]:
+        if not text.startswith(end_of_turn, end):
             return None
-        pos = end + len(end_of_turn)
-        starts.append(pos)
+        starts.append(end + len(end_of_turn))
     return starts
 
 
 def render_history(messages: Sequence[Message], tokenizer: ChatTokenizer) -> RenderedHistory:
     """Render and tokenise the history once, recording each message's first token.
 
-    Message borders are located in the rendered text and spot-checked against an exact prefix
-    rendering; if the check fails, every border is computed the exact way.
+    Message text is tokenised as text (`compaction.content`). Tokens before the first message's
+    turn (a default system prompt the template inserts) belong to no message. Message borders are
+    located in the rendered text and spot-checked against an exact prefix rendering; if the check
+    fails, every border is computed the exact way.
     """
     views = [template_view(m) for m in messages]
     text = tokenizer.render(views)
-    ids, offsets = tokenizer.encode_with_offsets(text)
-    chars = _located_starts(views, text, tokenizer.end_of_turn)
+    spans = content_spans(views, text, tokenizer)
+    ids, offsets = encode_rendering(text, spans, tokenizer)
+    chars = _located_starts(views, text, spans, tokenizer)
     checks = {len(views) // 2, len(views) - 1}
     if chars is None or any(chars[i] != _prefix_end(views, i, text, tokenizer) for i in checks):
         chars = [_prefix_end(views, i, text, tokenizer) for i in range(len(views))]

@@ -34,7 +34,7 @@ def target_phrase(layout: Layout | None, index: int, opening: str) -> str:
     # No chunk count here: the tail of chunk k must not change when the history grows by more chunks,
     # or its summary could not be reused by the next compaction (compaction.chunk_cache).
     part = f"part {index + 1} of the conversation above"
-    if layout == "prefix_exact":
+    if layout in ("prefix_exact", "windowed", "auto"):
         return (
             f"{part}: only the last part, which begins with “{opening}” and runs to the end. "
             "The earlier parts are context only; do not summarise them"

@@ -6,6 +6,10 @@ tokens); the tail closes the open turn and holds the instructions and the genera
 - prefix_exact: body k = history[0:end_k] verbatim. Body k is a strict token prefix of body k+1
   and of the agent's own rendered history, so the chunk prompts reuse each other's cache and the
   cache the agent's turns already filled. The tail names the target by number and opening words.
+- windowed: for histories whose prefix_exact prompts would not fit the model window: body k =
+  the kept head + history[start:end_k], where consecutive chunks share a start (see
+  `compaction.windows`); the first group's prompts are the prefix_exact ones.
+- auto (the default): prefix_exact when every prompt fits the window, else windowed.
 - prefix_exact_marked: every chunk between identical <segment> markers in every prompt; body k is
   still a strict prefix of body k+1, but the markers break reuse of the agent's own cache.
 - paper: chunks 1..k-1, then chunk k inside <target> tags (the reference layout; body k+1 holds
@@ -24,9 +28,11 @@ from compaction.history import ChatTokenizer, RenderedHistory
 from compaction.instructions import instruction_text, target_phrase
 from compaction.options import CompactionOptions, Layout
 from compaction.partition import Chunk
+from compaction.windows import Window, plan_windows, windowed_floor
 
 SEGMENT = ("\n<segment>\n", "\n</segment>\n")
 TARGET = ("\n<target>\n", "\n</target>\n")
+_PROBE = "\x00"
 
 
 @dataclass(frozen=True)
@@ -53,6 +59,18 @@ def opening_words(tokenizer: ChatTokenizer, ids: Sequence[int], words: int = 10)
     return " ".join(text.split(" ")[:words])
 
 
+def tail_ids(tokenizer: ChatTokenizer, closed: bool, instructions: str) -> tuple[int, ...]:
+    """Close the open turn, then a user turn holding the instructions, then the generation prompt.
+
+    The instructions are tokenised as text: they quote the chunk's opening words, which are
+    conversation content and may spell control tokens.
+    """
+    before, after = tokenizer.user_turn(_PROBE).split(_PROBE)
+    markup = ("" if closed else tokenizer.end_of_turn) + before
+    text, _ = tokenizer.encode_with_offsets(instructions, as_text=True)
+    return (*tokenizer.encode(markup), *text, *tokenizer.encode(after))
+
+
 def _body(
     layout: Layout,
     ids: tuple[int, ...],
@@ -60,11 +78,15 @@ def _body(
     k: int,
     span_end: int,
     markers: dict[str, list[int]],
+    start: int | None,
 ) -> tuple[tuple[int, ...], int, int]:
-    """(body, raw_prefix, history_tokens) of chunk k's prompt."""
+    """(body, raw_prefix, history_tokens) of chunk k's prompt; `start`: its window start (windowed)."""
     chunk = chunks[k]
-    if layout == "prefix_exact":
+    if layout == "prefix_exact" or (layout == "windowed" and start == chunks[0].start):
         return ids[: chunk.end], chunk.end, chunk.end
+    if layout == "windowed" and start is not None:
+        head = chunks[0].start
+        return ids[:head] + ids[start : chunk.end], head, head + chunk.end - start
     if layout == "independent":
         return ids[chunk.start : chunk.end], 0, chunk.size
     if layout == "prefix_exact_marked":
@@ -85,10 +107,13 @@ def build_prompts(
     chunks: Sequence[Chunk],
     span_end: int,
     strict: bool = False,
+    starts: Sequence[int] | None = None,
 ) -> tuple[ChunkPrompt, ...]:
-    """One prompt per chunk (a single whole-span prompt when sequential)."""
+    """One prompt per chunk (a single whole-span prompt when sequential); `starts`: window starts (windowed)."""
     ids = history.token_ids
     borders = set(history.message_starts) | {len(ids)}
+    if options.layout == "auto":  # `lay_out` resolves it against the model window
+        options = options.model_copy(update={"layout": "prefix_exact"})
     markers = {
         "segment_open": tokenizer.encode(SEGMENT[0]),
         "segment_close": tokenizer.encode(SEGMENT[1]),
@@ -101,19 +126,90 @@ def build_prompts(
         if sequential:
             body, raw, hist = ids[:span_end], span_end, span_end
         else:
-            body, raw, hist = _body(options.layout, ids, chunks, k, span_end, markers)
-        last_history_token = span_end if sequential or options.layout == "shared_full" else chunk.end
-        closed = last_history_token in borders
-        target = target_phrase(
-            None if sequential else options.layout,
-            k,
-            opening_words(tokenizer, ids[chunk.start : chunk.end]),
-        )
-        extra = (options.chunk_instructions or {}).get(k)
-        text = instruction_text(options.variant, target, options.max_chunk_summary_tokens, extra, strict)
-        tail = ("" if closed else tokenizer.end_of_turn) + tokenizer.user_turn(text)
-        prompts.append(ChunkPrompt(chunk, tuple(body), tuple(tokenizer.encode(tail)), raw, hist))
+            start = starts[k] if starts is not None else None
+            body, raw, hist = _body(options.layout, ids, chunks, k, span_end, markers, start)
+        tail = _tail(history, tokenizer, options, chunks, k, span_end, strict, borders)
+        prompts.append(ChunkPrompt(chunk, tuple(body), tail, raw, hist))
     return tuple(prompts)
+
+
+def _tail(
+    history: RenderedHistory,
+    tokenizer: ChatTokenizer,
+    options: CompactionOptions,
+    chunks: Sequence[Chunk],
+    k: int,
+    span_end: int,
+    strict: bool,
+    borders: set[int],
+) -> tuple[int, ...]:
+    """Chunk k's tail: it does not depend on how much history the body holds."""
+    chunk, ids = chunks[k], history.token_ids
+    sequential = options.strategy == "sequential"
+    last_history_token = span_end if sequential or options.layout == "shared_full" else chunk.end
+    target = target_phrase(
+        None if sequential else options.layout,
+        k,
+        opening_words(tokenizer, ids[chunk.start : chunk.end]),
+    )
+    extra = (options.chunk_instructions or {}).get(k)
+    text = instruction_text(options.variant, target, options.max_chunk_summary_tokens, extra, strict)
+    return tail_ids(tokenizer, last_history_token in borders, text)
+
+
+@dataclass(frozen=True)
+class PromptSet:
+    """The prompts of one compaction, with the layout actually used and its prefill floor."""
+
+    options: CompactionOptions  # the request's options with `layout` resolved (auto -> what was built)
+    prompts: tuple[ChunkPrompt, ...]  # one per chunk, in chunk order
+    strict_prompts: tuple[ChunkPrompt, ...]  # same bodies, stricter tails (retries)
+    floor: int  # the least prefill of these prompts with a perfect prefix cache
+    windows: tuple[Window, ...]  # windowed: the groups sharing a start; otherwise one group
+
+
+def _rooms(
+    history: RenderedHistory, tokenizer: ChatTokenizer, options: CompactionOptions, chunks: Sequence[Chunk],
+    span_end: int, window: int,
+) -> list[int]:  # fmt: skip
+    """History tokens each chunk's prompt may hold: the window minus the summary budget and its longer tail."""
+    borders = set(history.message_starts) | {len(history.token_ids)}
+    exact = options.model_copy(update={"layout": "prefix_exact"})
+    return [
+        window - options.max_chunk_summary_tokens - max(
+            len(_tail(history, tokenizer, exact, chunks, k, span_end, strict, borders)) for strict in (False, True)
+        )
+        for k in range(len(chunks))
+    ]  # fmt: skip
+
+
+def lay_out(
+    history: RenderedHistory,
+    tokenizer: ChatTokenizer,
+    options: CompactionOptions,
+    chunks: Sequence[Chunk],
+    span_end: int,
+    window: int,
+    block_size: int,
+) -> PromptSet:
+    """Resolve `auto`, plan the windows of the windowed layout, and build every prompt and its retry."""
+    layout = "prefix_exact" if options.layout == "auto" else options.layout
+    head_end = chunks[0].start
+    windows: tuple[Window, ...] = (Window(head_end, tuple(range(len(chunks)))),)
+    if options.strategy == "parallel" and options.layout in ("auto", "windowed"):
+        rooms = _rooms(history, tokenizer, options, chunks, span_end, window)
+        if options.layout == "windowed" or any(c.end > r for c, r in zip(chunks, rooms, strict=True)):
+            layout = "windowed"
+            windows = plan_windows(chunks, head_end, rooms, block_size)
+    opts = options.model_copy(update={"layout": layout})
+    starts = [w.start for w in windows for _ in w.chunks] if layout == "windowed" else None
+    prompts = build_prompts(history, tokenizer, opts, chunks, span_end, starts=starts)
+    strict = build_prompts(history, tokenizer, opts, chunks, span_end, strict=True, starts=starts)
+    if layout != "windowed":
+        return PromptSet(opts, prompts, strict, prefill_floor(prompts, span_end, block_size), windows)
+    own = sum(len(p.tail) + len(p.body) % block_size for p in prompts)
+    floor = windowed_floor(windows, chunks, head_end, own, span_end, block_size)
+    return PromptSet(opts, prompts, strict, floor, windows)
 
 
 def prefill_floor(prompts: Sequence[ChunkPrompt], history_end: int, block_size: int) -> int:

@@ -10,8 +10,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from compaction.errors import InvalidInput
 
 Strategy = Literal["parallel", "sequential", "extractive"]
-Layout = Literal["prefix_exact", "prefix_exact_marked", "paper", "independent", "shared_full"]
+Layout = Literal["auto", "prefix_exact", "windowed", "prefix_exact_marked", "paper", "independent", "shared_full"]
 Variant = Literal["concise", "default", "detailed"]
+# The layouts the layout benchmark compares (auto resolves to prefix_exact or windowed).
 LAYOUTS: tuple[Layout, ...] = ("prefix_exact", "prefix_exact_marked", "paper", "independent", "shared_full")
 VARIANTS: tuple[Variant, ...] = ("concise", "default", "detailed")
 # Retry/fallback below 70 % grounded salient tokens, prune above. The retention benchmark's `thresholds`
@@ -34,10 +35,12 @@ class CompactionOptions(BaseModel):
         2048, ge=1, le=1_048_576, description="B, the chunk size in tokens (parallel, extractive); N = ceil(|X| / B)."
     )
     layout: Layout = Field(
-        "prefix_exact",
+        "auto",
         description=(
-            "How chunk prompts are built. prefix_exact: the raw history up to the chunk, target named at "
-            "the tail; prefix_exact_marked: every chunk between identical segment markers; paper: "
+            "How chunk prompts are built. auto: prefix_exact when every chunk prompt fits the model window, "
+            "else windowed; prefix_exact: the raw history up to the chunk, target named at the tail; "
+            "windowed: the kept system messages, then as much history before the chunk as fits, consecutive "
+            "chunks sharing a start; prefix_exact_marked: every chunk between identical segment markers; paper: "
             "chunk k wrapped in <target> tags after chunks 1..k-1; independent: chunk k alone; "
             "shared_full: the whole snapshot with chunk k wrapped in <target> tags."
         ),

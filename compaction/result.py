@@ -68,7 +68,7 @@ class CompactionStats(BaseModel):
 
     model_config = ConfigDict(frozen=True)
     strategy: str
-    layout: str
+    layout: str = Field(description="The layout actually used (auto resolved), or sequential.")
     variant: str
     history_tokens: int = Field(description="Tokens of the whole rendered history.")
     input_tokens: int = Field(description="Tokens compacted (history minus kept system and recent turns).")
@@ -76,7 +76,12 @@ class CompactionStats(BaseModel):
     prompt_tokens: int
     cached_prompt_tokens: int
     computed_prefill_tokens: int
-    prefill_floor_tokens: int = Field(description="History once plus every prompt's own tokens, in blocks.")
+    prefill_floor_tokens: int = Field(
+        description="History once plus every prompt's own tokens, in blocks (windowed: plus the overlaps)."
+    )
+    windows: int = Field(
+        1, description="Groups of chunk prompts sharing a window start (layout windowed); 1 for the others."
+    )
     output_tokens: int
     summary_tokens: int
     compacted_tokens: int = Field(description="Tokens of the compacted history, rendered.")

@@ -17,6 +17,7 @@ class HFChatTokenizer:
 
     def __init__(self, tokenizer: Any) -> None:
         self._tok = tokenizer
+        self._preambles: dict[str, str] = {}
         if not getattr(tokenizer, "chat_template", None):
             raise InvalidInput("model", "the tokenizer has no chat template")
 
@@ -32,9 +33,14 @@ class HFChatTokenizer:
         )
         return str(text)
 
-    def encode_with_offsets(self, text: str) -> tuple[list[int], list[int]]:
-        enc = self._tok(text, add_special_tokens=False, return_offsets_mapping=True)
+    def encode_with_offsets(self, text: str, as_text: bool = False) -> tuple[list[int], list[int]]:
+        enc = self._tok(text, add_special_tokens=False, return_offsets_mapping=True, split_special_tokens=as_text)
         return list(enc["input_ids"]), [start for start, _ in enc["offset_mapping"]]
+
+    @cached_property
+    def control_token_ids(self) -> frozenset[int]:
+        """The special added tokens: the tokenizer parses their spelling out of any text unless told not to."""
+        return frozenset(i for i, token in self._tok.added_tokens_decoder.items() if token.special)
 
     def encode(self, text: str) -> list[int]:
         return list(self._tok(text, add_special_tokens=False)["input_ids"])
@@ -58,6 +64,19 @@ class HFChatTokenizer:
             raise InvalidInput("model", "the chat template does not append a user turn after a history")
         before, after = both[len(closed) :].split(_PROBE)
         return end_of_turn, before, after
+
+    def preamble(self, first_role: str) -> str:
+        """Text the template writes before the first message's own turn (e.g. a default system prompt)."""
+        if first_role not in self._preambles:
+            probe = {"role": first_role, "content": _PROBE}
+            system = [{"role": "system", "content": _PROBE}]
+            closed, after = self.render(system), self.render([*system, probe])
+            head = after[len(closed) :].split(_PROBE)[0] if after.startswith(closed) else None
+            before = self.render([probe]).split(_PROBE)[0]
+            if head is None or not before.endswith(head):
+                raise InvalidInput("model", f"the chat template does not open a {first_role} turn the same way twice")
+            self._preambles[first_role] = before[: len(before) - len(head)]
+        return self._preambles[first_role]
 
     @property
     def end_of_turn(self) -> str:

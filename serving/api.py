@@ -13,6 +13,7 @@ bodies `{"error": {"message", "type", "param", "code"}}` naming the offending fi
     any other HTTP error FastAPI raises (e.g. a body nested too deeply to parse)  its status, same shape
     an exception inside a model replica (ray.serve.llm's OpenAI endpoints): 400 when the model could
     not read the messages (KeyError/ValueError/TypeError from its chat template), else 503; never Ray's text
+    the core broke its own contract (InvalidOutput: a bug)  500
 
 A body over the limit is read to its end (up to `DRAIN_LIMIT`) before the 413 goes out, so a
 client still sending it reads the answer instead of a connection reset.
@@ -39,7 +40,15 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 from starlette.types import Message as AsgiMessage
 
-from compaction.errors import BackendError, DeadlineExceeded, InvalidInput, ModelNotAvailable, Overloaded, UnknownModel
+from compaction.errors import (
+    BackendError,
+    DeadlineExceeded,
+    InvalidInput,
+    InvalidOutput,
+    ModelNotAvailable,
+    Overloaded,
+    UnknownModel,
+)
 from compaction.history import Message
 from compaction.options import CompactionOptions
 from compaction.tokenizer import HFChatTokenizer
@@ -67,6 +76,7 @@ ERRORS: tuple[tuple[type[Exception], int, str, float | None], ...] = (
     (BackendError, 503, "service_unavailable", 5.0),
     (ModelNotAvailable, 503, "service_unavailable", 30.0),
     (BackPressureError, 503, "service_unavailable", 5.0),
+    (InvalidOutput, 500, "internal_error", None),
 )
 
 

@@ -38,6 +38,7 @@ from compaction.errors import (
     ContextOverflow,
     DeadlineExceeded,
     InvalidInput,
+    InvalidOutput,
     ModelNotAvailable,
     Overloaded,
     UnknownModel,
@@ -100,10 +101,11 @@ class ServiceResult(BaseModel):
 
 ErrorKind = Literal[
     "UnknownModel", "ContextOverflow", "InvalidInput", "Overloaded", "BackendError", "DeadlineExceeded",
-    "ModelNotAvailable",
+    "ModelNotAvailable", "InvalidOutput",
 ]  # fmt: skip
 _KINDS: tuple[type[CompactionError], ...] = (
     UnknownModel, ContextOverflow, InvalidInput, Overloaded, BackendError, DeadlineExceeded, ModelNotAvailable,
+    InvalidOutput,
 )  # fmt: skip
 # Metric outcome of each error, most specific first.
 _OUTCOMES: tuple[tuple[type[CompactionError], OutcomeKind], ...] = (

@@ -137,7 +137,10 @@ def test_bad_input_raises_one_error_type(tokenizer: HFChatTokenizer, messages, o
 
 def test_history_over_the_window_for_sequential(tokenizer: HFChatTokenizer) -> None:
     compactor = Compactor(tokenizer, FakeBackend(), context_window=512, block_size=16)
-    with pytest.raises(ContextOverflow, match="strategy=parallel with layout=independent"):
+    with pytest.raises(ContextOverflow, match="use strategy=parallel"):
         compactor.plan(history(30), {"strategy": "sequential"})
-    plan = compactor.plan(history(30), {"layout": "independent", "chunk_tokens": 128})
-    assert max(len(p) for p in plan.prompts) + 256 <= 512
+    with pytest.raises(ContextOverflow, match="use layout=auto"):
+        compactor.plan(history(30), {"layout": "prefix_exact", "chunk_tokens": 128, "max_chunk_summary_tokens": 64})
+    for layout in ("independent", "auto"):
+        plan = compactor.plan(history(30), {"layout": layout, "chunk_tokens": 128, "max_chunk_summary_tokens": 64})
+        assert max(len(p) for p in plan.strict_prompts) + 64 <= 512

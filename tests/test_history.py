@@ -2,6 +2,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from compaction.content import content_spans, encode_rendering
 from compaction.errors import InvalidInput
 from compaction.history import parse_messages, render_history, template_view
 from compaction.tokenizer import HFChatTokenizer
@@ -79,7 +80,7 @@ def test_located_borders_equal_exact_prefix_rendering(tokenizer: HFChatTokenizer
     rendered = render_history(messages, tokenizer)
     views = [template_view(m) for m in messages]
     text = tokenizer.render(views)
-    _, offsets = tokenizer.encode_with_offsets(text)
+    _, offsets = encode_rendering(text, content_spans(views, text, tokenizer), tokenizer)
     for i, start in enumerate(rendered.message_starts):
-        prefix = len(tokenizer.render(views[:i])) if i else 0
+        prefix = len(tokenizer.render(views[:i]) if i else tokenizer.preamble(views[0]["role"]))
         assert start == sum(1 for o in offsets if o < prefix)

@@ -10,7 +10,8 @@ import pytest
 
 from compaction.history import parse_messages, render_history, template_view
 from compaction.tokenizer import HFChatTokenizer
-from jobs.data.conversations import load_conversation
+from compaction.validity import problems
+from jobs.data.conversations import load_conversation, truncate_history
 from jobs.data.traces import QUESTIONS, coding_trace, main
 
 
@@ -76,3 +77,11 @@ def test_cli_prints_a_history_the_demo_loads(tmp_path: Path, capsys: pytest.Capt
     assert main(["--seed", "2", "--tokens", "2000", "--with-facts"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["seed"] == 2 and len(data["facts"]) == 5 and data["messages"][0]["role"] == "system"
+
+
+def test_truncating_a_trace_keeps_calls_with_their_results(tokenizer: HFChatTokenizer) -> None:
+    messages = coding_trace(4, 3000, tokenizer).messages
+    for limit in range(300, 3000, 97):
+        kept = truncate_history(messages, tokenizer, limit)
+        assert kept == messages[: len(kept)] and problems(parse_messages(kept)) == []
+        assert len(render_history(parse_messages(kept), tokenizer).token_ids) <= limit

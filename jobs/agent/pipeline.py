@@ -12,13 +12,12 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from compaction.backend import Backend, GenerationRequest
 from compaction.compactor import Compactor
-from compaction.history import Message, parse_messages, template_view
+from compaction.history import ChatTokenizer, Message, parse_messages, template_view
 from compaction.options import CompactionOptions
 from compaction.result import CompactionStats
 from jobs.data.episodes import Document, Question, Step
@@ -29,23 +28,6 @@ SYSTEM_PROMPT = (
 )
 MIN_CHUNK_SUMMARY_TOKENS = 16
 _LETTERS = "ABCDEFGHIJ"
-
-
-class AgentTokenizer(Protocol):
-    """What the pipeline needs: the chat template with a generation prompt, and the tokenizer."""
-
-    def render(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = False) -> str: ...
-
-    def encode(self, text: str) -> list[int]: ...
-
-    def encode_with_offsets(self, text: str) -> tuple[list[int], list[int]]: ...
-
-    def decode(self, token_ids: Sequence[int]) -> str: ...
-
-    def user_turn(self, content: str) -> str: ...
-
-    @property
-    def end_of_turn(self) -> str: ...
 
 
 class AgentSettings(BaseModel):
@@ -128,7 +110,7 @@ class AgentPipeline:
 
     def __init__(
         self,
-        tokenizer: AgentTokenizer,
+        tokenizer: ChatTokenizer,
         backend: Backend,
         settings: AgentSettings,
         *,

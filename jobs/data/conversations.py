@@ -9,6 +9,7 @@ from typing import Any
 
 from compaction.errors import InvalidInput
 from compaction.history import ChatTokenizer, parse_messages, render_history
+from compaction.validity import turn_start
 
 # The shared data folder beside the checkout (`../shared/data`), or $COMPACTION_DATA.
 SHARED_DATA = Path(os.environ.get("COMPACTION_DATA") or Path(__file__).resolve().parents[3] / "shared" / "data")
@@ -70,10 +71,10 @@ def load_conversation(path: str | Path, sample_id: str | None = None) -> list[di
 
 
 def truncate_history(messages: list[dict[str, Any]], tokenizer: ChatTokenizer, max_tokens: int) -> list[dict[str, Any]]:
-    """The longest prefix of whole messages whose rendering stays within `max_tokens`."""
+    """The longest prefix of whole turns (a tool-calling turn with all its results) within `max_tokens`."""
     rendered = render_history(parse_messages(messages), tokenizer)
     ends = (*rendered.message_starts[1:], len(rendered.token_ids))
-    keep = sum(1 for end in ends if end <= max_tokens)
+    keep = turn_start(rendered.messages, sum(1 for end in ends if end <= max_tokens), 0)
     if keep == 0:
         raise InvalidInput("history_tokens", f"{max_tokens} is shorter than the first message")
     return messages[:keep]

@@ -20,11 +20,11 @@ import pyarrow as pa
 from compaction.backend import Backend
 from compaction.compactor import Compactor
 from compaction.errors import InvalidInput
-from compaction.history import Message, parse_messages
+from compaction.history import ChatTokenizer, Message, parse_messages
 from compaction.tokenizer import HFChatTokenizer
 from jobs.agent.judge import Grade, Judge
 from jobs.agent.metrics import score_answer
-from jobs.agent.pipeline import AgentPipeline, AgentSettings, AgentTokenizer, Episode, Turn, matched_options
+from jobs.agent.pipeline import AgentPipeline, AgentSettings, Episode, Turn, matched_options
 from jobs.data.conversations import locomo_messages, truncate_history
 from jobs.data.datasets import LocomoSample, load_hotpotqa, load_locomo, load_locomo_mc
 from jobs.data.episodes import Question, Step, hotpotqa_steps, locomo_mc_steps, locomo_steps
@@ -83,7 +83,7 @@ def base_row(cell: Cell, access: ModelAccess, cold: bool) -> dict[str, Any]:
 
 
 def snapshot(
-    samples: Sequence[LocomoSample], sample_id: str | None, tokens: int, tokenizer: AgentTokenizer
+    samples: Sequence[LocomoSample], sample_id: str | None, tokens: int, tokenizer: ChatTokenizer
 ) -> list[dict[str, Any]]:
     """LoCoMo conversations from `sample_id` on, concatenated, cut to whole messages within `tokens`."""
     start = next((i for i, s in enumerate(samples) if s.sample_id == sample_id), 0) if sample_id else 0
@@ -111,7 +111,7 @@ async def summary_rows(
     return [{**row, "summary_text": result.summary}]
 
 
-def known_history(cell: Cell, paths: dict[str, str], tokenizer: AgentTokenizer) -> KnownHistory:
+def known_history(cell: Cell, paths: dict[str, str], tokenizer: ChatTokenizer) -> KnownHistory:
     """A coding trace (seed = repeat) or a LoCoMo conversation (the repeat-th from sample_id) of the cell's size."""
     size = cell.input_tokens or 0
     if cell.dataset == "coding":

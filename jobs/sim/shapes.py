@@ -116,11 +116,15 @@ def prompt_lengths(
     start, end = span
     if options.strategy == "sequential":
         return [_prompt([(history, 0, end)], end, ("tail", 0), extra.tail)]
+    # auto is prefix_exact whenever the prompts fit the model window, as every simulated workload's do;
+    # the windowed layout (histories beyond the window) is not modelled.
+    layout = "prefix_exact" if options.layout == "auto" else options.layout
+    if layout == "windowed":
+        raise ValueError("the simulator does not model the windowed layout; use auto or prefix_exact")
     chunks = partition(start, end, options.chunk_tokens, block_size)
     out = []
     for c in chunks:
         own = ("own", c.index)
-        layout = options.layout
         tail = ("tail", c.index)
         if layout == "prefix_exact":
             out.append(_prompt([(history, 0, c.end)], c.end, tail, extra.tail))

@@ -39,6 +39,8 @@ _TOOL_CALL = re.compile(r"^\[tool call\b")
 _CALL_TAG = re.compile(r"^\[tool (call|result)[^\]]*\]")
 _SENTENCE = re.compile(r"(?<=[.!?])\s+(?=[A-Z\[\"'(`])")
 _HAS_WORD = re.compile(r"\w")
+_CUT_WORD_START = re.compile(r"^\S+")
+_CUT_WORD_END = re.compile(r"\S+$")
 _FILE = re.compile(r"\w\.[a-z]{1,5}$")
 
 
@@ -64,7 +66,8 @@ def segments(history: RenderedHistory, tokenizer: ChatTokenizer, start: int, end
     """The messages overlapping history tokens [start, end), each as the text of its overlap.
 
     A message wholly inside is its rendered content; a message cut by a border is decoded from
-    its tokens in the range, without the role header line the template writes before content.
+    its tokens in the range, without the role header line the template writes before content, and
+    without the word the border cuts (a token border can split `retry_out` into `retry` | `_out`).
     """
     bounds = (*history.message_starts, len(history.token_ids))
     out: list[Segment] = []
@@ -79,6 +82,8 @@ def segments(history: RenderedHistory, tokenizer: ChatTokenizer, start: int, end
             text = tokenizer.decode(history.token_ids[max(first, start) : min(last, end)])
             if first >= start and text.split("\n", 1)[0].strip() == view["role"]:
                 text = text.split("\n", 1)[1] if "\n" in text else ""
+            text = _CUT_WORD_START.sub("", text) if first < start else text
+            text = _CUT_WORD_END.sub("", text) if last > end else text
         out.append(Segment(i, message.role, text, first >= start))
     return out
 

@@ -78,6 +78,16 @@ def test_a_border_inside_a_message_decodes_only_its_part(tokenizer: HFChatTokeni
     assert before[-1].text.strip()[-10:] in history_text(tokenizer, history, tool, middle)
 
 
+def test_a_border_never_leaves_half_a_word(tokenizer: HFChatTokenizer) -> None:
+    messages = [{"role": "user", "content": "    return retry_out_of_budget_total + 1"}]
+    history = render_history(parse_messages(messages), tokenizer)
+    ids = history.token_ids
+    words = set("return retry_out_of_budget_total + 1".split())
+    for border in range(history.message_starts[0] + 3, len(ids) - 2):
+        for part in (segments(history, tokenizer, 0, border)[-1], segments(history, tokenizer, border, len(ids))[0]):
+            assert set(part.text.split()) <= words, (border, part.text)
+
+
 def history_text(tokenizer: HFChatTokenizer, history, start: int, end: int) -> str:
     return tokenizer.decode(history.token_ids[start:end])
 

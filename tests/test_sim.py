@@ -183,3 +183,24 @@ def test_every_profile_loads_cites_its_figures_and_sizes_kv_like_the_catalogue(n
     if spec.device == "gpu":
         assert profile.kv_tokens == gpu_fit(spec).kv_tokens
     assert profile.prefill_seconds(0, profile.prefill.tokens) == pytest.approx(profile.prefill.seconds)
+
+
+@pytest.mark.parametrize(("parallelism", "slowdown"), [(None, 1.0), (2, 1.0), (1, 2.0)])
+def test_replicas_sharing_a_host_slow_each_other_down(parallelism: int | None, slowdown: float) -> None:
+    from jobs.sim.engine import Replica, Request
+
+    env = simpy.Environment()
+    profile = toy_profile(host_parallelism=parallelism)
+    replicas = [Replica(env, i, profile) for i in range(2)]
+    for replica in replicas:
+        replica.peers = replicas if parallelism is not None else []
+    requests = [Request(1000, 0, None, 0, False, "chunk", env.event()) for _ in replicas]
+    for replica, request in zip(replicas, requests, strict=True):
+        replica.submit(request)
+    env.run()
+    # 1,000 tokens at 1,000 tokens/s alone: 1 s; two replicas on one core's worth of host: 2 s each.
+    assert [r.finished for r in requests] == pytest.approx([slowdown, slowdown], rel=0.02)
+    late = Request(1000, 0, None, 0, False, "chunk", env.event())
+    replicas[0].submit(late)  # alone on the host now: full speed
+    env.run()
+    assert late.finished - late.submitted == pytest.approx(1.0, rel=0.02)

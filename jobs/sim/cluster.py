@@ -90,6 +90,9 @@ class Cluster:
         self.env = env
         self.profile = profile
         self.replicas = [Replica(env, i, profile) for i in range(replicas)]
+        if profile.host_parallelism is not None:  # one shared host (the CPU service); GPUs are each their own
+            for replica in self.replicas:
+                replica.peers = self.replicas
         self.policy = policy
         self.cost = cost or cost_model(profile)
         self.admission = admission

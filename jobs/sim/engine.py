@@ -8,6 +8,10 @@ a sequence ends) the replica runs at constant rates:
     step s = decode_step(batch, context) + w,   w = prefill seconds of one step's chunk (0 when nothing prefills)
     every decoding sequence gains 1/s tokens per second; the head prefill loses w/s seconds of work per second
 
+Replicas that share one host's compute (the CPU profile: every engine's threads span the same cores) run at
+1 / max(1, busy / host_parallelism) of their calibrated speed while `busy` of them have work; a replica's change of
+state re-times its peers.
+
 Decode progress is one shared clock `v` (tokens decoded per sequence since start): a sequence that joins at v0 with
 n tokens to go finishes at v0 + n, so events cost O(log batch). A request's cache lookup happens when it reaches the
 head of the prefill queue (vLLM looks prefixes up when it first schedules a request), so chunk prompts queued behind
@@ -71,6 +75,7 @@ class Replica:
     env: simpy.Environment
     index: int
     profile: EngineProfile
+    peers: list[Replica] = field(default_factory=list)  # every replica on this one's host, itself included
     cache: PrefixCache = field(init=False)
     stats: ReplicaStats = field(default_factory=ReplicaStats)
 
@@ -90,23 +95,43 @@ class Replica:
     def load(self) -> int:
         return len(self.waiting) + len(self.decoding) + (self.prefilling is not None)
 
+    @property
+    def busy(self) -> bool:
+        return self.prefilling is not None or bool(self.decoding)
+
     def submit(self, request: Request) -> None:
-        self._advance()
+        self._changing()
         request.replica, request.submitted = self.index, self.env.now
         self.stats.requests += 1
         self.waiting.append(request)
         self._settle()
-        self._schedule()
+        self._changed()
+
+    def _changing(self) -> None:
+        """Bring this replica (and its host's peers, whose speed may change with it) up to now."""
+        for replica in self.peers or (self,):
+            replica._advance()
+
+    def _changed(self) -> None:
+        for replica in self.peers or (self,):
+            replica._schedule()
+
+    def _slowdown(self) -> float:
+        parallel = self.profile.host_parallelism
+        if parallel is None or not self.peers:
+            return 1.0
+        return max(1.0, sum(r.busy for r in self.peers) / parallel)
 
     def _rates(self) -> tuple[float, float]:
         """(seconds per step, prefill work seconds done per step)."""
         batch = len(self.decoding)
-        decode = self.profile.decode_step_s(batch, self.context) if batch else 0.0
+        slow = self._slowdown()
+        decode = self.profile.decode_step_s(batch, self.context) * slow if batch else 0.0
         if self.prefilling is None:
             return decode, 0.0
         chunk = max(self.profile.block_size, self.profile.max_batched_tokens - batch)
         work = chunk / self.profile.prefill_tokens_per_s
-        return decode + work, work
+        return decode + work * slow, work
 
     def _advance(self) -> None:
         now = self.env.now
@@ -196,6 +221,6 @@ class Replica:
     def _wake(self, generation: int) -> None:
         if generation != self._generation:
             return  # superseded by a later event on this replica
-        self._advance()
+        self._changing()
         self._settle()
-        self._schedule()
+        self._changed()

@@ -68,6 +68,13 @@ class EngineProfile(BaseModel):
     attention_width: int = Field(ge=1, le=65_536, description="Query heads x head dim of one attention layer.")
     kv_bytes_per_token: float = Field(gt=0, description="KV bytes one token adds, per GPU (full-attention layers).")
     memory_bytes_per_s: float = Field(gt=0, description="Device memory bandwidth a decode step reads the KV at.")
+    host_parallelism: int | None = Field(
+        None,
+        ge=1,
+        le=4096,
+        description="Replicas sharing one host's compute that run at full speed at once (busy replicas beyond it "
+        "slow each other down in proportion); None: every replica has hardware of its own (a GPU each).",
+    )
     prefill: PrefillPoint = Field(description="A cold prefill measurement.")
     decode: list[DecodePoint] = Field(min_length=1, description="Decode steps at one or more batch sizes.")
     sources: list[Source] = Field(min_length=1, description="Where every figure above comes from.")

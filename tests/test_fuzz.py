@@ -22,7 +22,7 @@ from serving.local import LocalService
 
 pytestmark = [pytest.mark.ray, pytest.mark.engine]
 
-FUZZ_EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "20"))
+FUZZ_EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "5"))
 OPERATIONS = r"^/(v1/compact|healthz|v1/models|v1/chat/completions|v1/completions)$"
 # Output-length fields of the operations, capped so a generated request costs a few decode steps.
 CAPS = {"max_chunk_summary_tokens": 8, "max_tokens": 4, "max_completion_tokens": 4, "n": 1, "best_of": 1}

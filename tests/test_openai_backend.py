@@ -1,9 +1,10 @@
-"""The OpenAI-compatible HTTP backend, against a real vLLM OpenAI server on the CPU (conftest `vllm_server`)."""
+"""The OpenAI-compatible HTTP backend, against the suite's real service (ray.serve.llm's OpenAI endpoints)."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import httpx
 import pytest
 
 from compaction.backend import GenerationRequest
@@ -38,19 +39,22 @@ async def test_unreachable_endpoint_is_a_backend_error() -> None:
 
 
 @pytest.mark.engine
+@pytest.mark.ray
 async def test_compaction_over_http_reports_engine_cache(
-    vllm_server: str, tokenizer: HFChatTokenizer, locomo: list[dict[str, Any]]
+    service: Any, tokenizer: HFChatTokenizer, locomo: list[dict[str, Any]]
 ) -> None:
     from jobs.data.conversations import locomo_messages, truncate_history
 
     history = truncate_history(locomo_messages(locomo[1]), tokenizer, 1500)
-    backend = OpenAIBackend(vllm_server, SERVED_MODEL)
+    # One session: every prompt goes to the same model replica, whose prefix cache the stats report.
+    http = httpx.AsyncClient(base_url=service.url, headers={"x-session-id": "openai-backend-test"}, timeout=600)
+    backend = OpenAIBackend(service.url, SERVED_MODEL, client=http)
     compactor = Compactor(tokenizer, backend, context_window=4096, block_size=128)
     try:
         first = await compactor.compact(history, {"chunk_tokens": 512, "max_chunk_summary_tokens": 24})
         again = await compactor.compact(history, {"chunk_tokens": 512, "max_chunk_summary_tokens": 24})
     finally:
-        await backend.aclose()
+        await http.aclose()
     assert first.stats.chunks == 3 and first.summary.strip()
     assert first.stats.cached_prompt_tokens > 0  # prompts 2..N reuse prompt 1's history
     assert first.stats.computed_prefill_tokens <= 1.05 * first.stats.prefill_floor_tokens

@@ -28,8 +28,8 @@ MAX_BYTES = SERVICE_MAX_BYTES
 
 @pytest.fixture(scope="module")
 def history(locomo: list[dict[str, Any]], tokenizer: HFChatTokenizer) -> list[dict[str, Any]]:
-    """A LoCoMo conversation cut to about 3,000 tokens: fits the 8k window with room for the prompts."""
-    return truncate_history(locomo_messages(locomo[0]), tokenizer, 3000)
+    """A LoCoMo conversation cut to about 2,000 tokens: four 512-token chunks."""
+    return truncate_history(locomo_messages(locomo[0]), tokenizer, 2000)
 
 
 def reset_caches() -> None:
@@ -59,7 +59,7 @@ def test_the_openai_client_talks_to_the_app(service: LocalService) -> None:
 @pytest.mark.parametrize(
     ("options", "chunks"),
     [
-        ({"strategy": "parallel", "chunk_tokens": 512, "max_chunk_summary_tokens": 48}, 6),
+        ({"strategy": "parallel", "chunk_tokens": 512, "max_chunk_summary_tokens": 48}, 4),
         ({"strategy": "sequential", "max_chunk_summary_tokens": 160}, 1),
     ],
 )
@@ -81,7 +81,7 @@ def test_http_compaction_of_a_locomo_conversation(
 def test_affinity_serves_the_history_from_the_agents_cache(
     service: LocalService, locomo: list[dict[str, Any]], tokenizer: HFChatTokenizer
 ) -> None:
-    session = make_session(locomo_messages(locomo[1]), tokenizer, 2400, turns=3, turn_tokens=300)
+    session = make_session(locomo_messages(locomo[1]), tokenizer, 1200, turns=2, turn_tokens=200)
 
     async def reset() -> None:
         await asyncio.to_thread(reset_caches)

@@ -32,7 +32,7 @@ def test_the_simulator_matches_the_real_service_per_policy(
     from ray import serve
 
     conversation = locomo_messages(locomo[0])
-    session = make_session(conversation, tokenizer, 2000, turns=2, turn_tokens=250)
+    session = make_session(conversation, tokenizer, 1200, turns=2, turn_tokens=150)
     workload = Workload(session.base, session.observations)
     coordinator = serve.get_deployment_handle("Coordinator", app_name=APP_NAME)
     spec = load_catalogue().get(MODEL)
@@ -48,11 +48,12 @@ def test_the_simulator_matches_the_real_service_per_policy(
             async def profile() -> Any:
                 return await calibrate(
                     OpenAIBackend(service.url, MODEL, client=client),
-                    calibration_prompt(tokenizer, history, 1536),
+                    calibration_prompt(tokenizer, history, 768),
                     model_path=model_path,
                     block_size=spec.block_size,
                     kv_tokens=cpu_kv_tokens(spec.kv_cache_gib, model_path),
                     where=service.url,
+                    decode_tokens=24,
                 )
 
             return await validate(client, tokenizer, workload, profile, reset)

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -73,11 +74,13 @@ def test_cli_runs_cells_on_the_engine_actor_and_skips_them_next_time(tmp_path: P
 
 
 @pytest.mark.engine
-def test_agent_cell_over_http_against_a_service(vllm_server: str, model_path: Path) -> None:
-    config = SweepConfig.model_validate({**MC, "backend": {"kind": "service", "base_url": vllm_server}})
+@pytest.mark.ray
+def test_agent_cell_over_http_against_a_service(service: Any, model_path: Path) -> None:
+    url = service.url
+    config = SweepConfig.model_validate({**MC, "backend": {"kind": "service", "base_url": url}})
     cell = expand(config, load_catalogue()).cells[0]
-    factory = functools.partial(OpenAIBackend, vllm_server, MODEL)
-    access = ModelAccess(MODEL, str(model_path), 4096, 128, factory, f"service {vllm_server}")
+    factory = functools.partial(OpenAIBackend, url, MODEL)
+    access = ModelAccess(MODEL, str(model_path), 4096, 128, factory, f"service {url}")
     table = asyncio.run(run_cell(cell, DataPaths().resolve(Path("/nonexistent")), access, access, cold_start=True))
     rows = table.to_pylist()
     assert all(not r["cold_start"] for r in rows)  # a service cannot empty its cache: recorded, not faked

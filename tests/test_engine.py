@@ -19,8 +19,8 @@ CHUNK = 512
 
 @pytest.fixture(scope="module")
 def history(locomo: list[dict[str, Any]], tokenizer: HFChatTokenizer) -> list[dict[str, Any]]:
-    """About 2,000 tokens of the first LoCoMo conversation: four 512-token chunks."""
-    return truncate_history(locomo_messages(locomo[0]), tokenizer, 2048)
+    """About 1,500 tokens of the first LoCoMo conversation: three 512-token chunks."""
+    return truncate_history(locomo_messages(locomo[0]), tokenizer, 1536)
 
 
 @pytest.fixture(scope="module")
@@ -77,10 +77,10 @@ async def test_a_grown_history_summarises_only_its_new_material(
     """Incremental: the old chunks come from the chunk cache, the earlier summary is carried verbatim, and the
     work left is about that of compacting the new material alone."""
     conversation = locomo_messages(locomo[0])
-    old = truncate_history(conversation, tokenizer, 2048)
-    grown = truncate_history(conversation, tokenizer, 3072)  # about one 1,024-token chunk more
+    old = truncate_history(conversation, tokenizer, 1024)
+    grown = truncate_history(conversation, tokenizer, 1536)  # about one 512-token chunk more
     new = grown[len(old) :]
-    options = {"chunk_tokens": 1024, "max_chunk_summary_tokens": 32, "retry_bad_summaries": False}
+    options = {"chunk_tokens": 512, "max_chunk_summary_tokens": 32, "retry_bad_summaries": False}
     compactor = Compactor(
         tokenizer, engine, context_window=engine.max_model_len, block_size=engine.block_size, cache=ChunkCache()
     )

@@ -202,7 +202,7 @@ def test_a_coordinator_killed_during_a_compaction(client: httpx.Client) -> None:
 
     async def compact() -> None:
         async with httpx.AsyncClient(base_url=client.base_url, timeout=600) as http:
-            outcome["response"] = await http.post("/v1/compact", json=long_compaction(48, session_id=session))
+            outcome["response"] = await http.post("/v1/compact", json=long_compaction(16, session_id=session))
 
     async def kill_then_wait() -> None:
         task = asyncio.create_task(compact())

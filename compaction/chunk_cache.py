@@ -30,7 +30,7 @@ from compaction.partition import Chunk
 from compaction.result import ChunkStats
 
 # Options that do not change a chunk's summary once its prompt is fixed.
-_UNSCOPED = frozenset({"keep_recent_tokens", "carry_summary_tokens"})
+_UNSCOPED = frozenset({"keep_recent_tokens", "carry_summary_tokens", "reuse_chunks"})
 
 
 def digest(token_ids: Sequence[int]) -> str:

@@ -100,7 +100,7 @@ class Compactor:
         else:
             # Summaries summarised again (not carried) form chunks of their own: a second level.
             fixed = [starts[summaries]] if head < summaries else []
-            if self.cache is not None and opts.strategy == "parallel":
+            if self.cache is not None and opts.strategy == "parallel" and opts.reuse_chunks:
                 fixed += self.cache.borders(history.token_ids, *span, scope)
             chunks = partition(*span, opts.chunk_tokens, self.block_size, fixed)
         if opts.chunk_instructions and max(opts.chunk_instructions) >= len(chunks):
@@ -227,7 +227,7 @@ class Compactor:
 
     def _cached(self, plan: CompactionPlan, k: int) -> tuple[ChunkStats, str] | None:
         """Chunk k's summary from the cache, if this exact prompt was summarised before."""
-        if self.cache is None:
+        if self.cache is None or not plan.options.reuse_chunks:
             return None
         prompt = plan.prompts[k]
         hit = self.cache.get(plan.scope, plan.history.token_ids, prompt.chunk, prompt.token_ids)

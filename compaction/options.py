@@ -77,6 +77,11 @@ class CompactionOptions(BaseModel):
         "summarised again) while together they stay within this many tokens; beyond it they are summarised "
         "again, as chunks of their own (a second level). 0 always summarises them again.",
     )
+    reuse_chunks: bool = Field(
+        True,
+        description="Take a chunk's summary from the chunk-summary cache when an earlier compaction summarised "
+        "the same prompt (reported as reused_chunks). False summarises every chunk afresh (cold benchmarks).",
+    )
     chunk_instructions: dict[int, str] | None = Field(
         None, description="Extra instructions for particular chunks, keyed by 0-based chunk index."
     )

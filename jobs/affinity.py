@@ -31,7 +31,7 @@ from compaction.history import ChatTokenizer
 from jobs.data.conversations import LOCOMO_PATH, load_conversation, truncate_history
 
 MODEL = "smollm2-135m-instruct"
-COMPACTION = {"strategy": "parallel", "chunk_tokens": 512, "max_chunk_summary_tokens": 32}
+COMPACTION = {"strategy": "parallel", "chunk_tokens": 512, "max_chunk_summary_tokens": 32, "reuse_chunks": False}
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,7 @@ from serving.sessions import ChatTurn, SessionCompactions, TurnCompaction
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 COORDINATOR_MAX_ONGOING = 100_000
+GAUGE_REFRESH_S = 1.0  # Ray keeps a gauge value for two export intervals (1 s each at the least)
 
 
 class AppArgs(BaseModel):
@@ -166,8 +167,20 @@ class CoordinatorDeployment:
         name = serve.get_replica_context().replica_id.unique_id
         self._coordinator = Coordinator(runtimes, admission, RayMetrics(), name)
         self._sessions = SessionCompactions(self._coordinator.compact, max_sessions=args.chat_sessions)
+        self._gauges: asyncio.Task[None] | None = None
+
+    def _keep_gauges(self) -> None:
+        """From the first call on, the queue gauges are set every second, so an idle coordinator still shows 0."""
+        if self._gauges is None:
+            self._gauges = asyncio.get_running_loop().create_task(self._refresh_gauges())
+
+    async def _refresh_gauges(self) -> None:
+        while True:
+            self._coordinator.refresh_gauges()
+            await asyncio.sleep(GAUGE_REFRESH_S)
 
     async def compact(self, job: CompactJob) -> ServiceResult | Failure:
+        self._keep_gauges()
         try:
             return await self._coordinator.compact(job)
         except CompactionError as exc:
@@ -175,6 +188,7 @@ class CoordinatorDeployment:
 
     async def chat_turn(self, turn: ChatTurn) -> TurnCompaction | Failure:
         """The compaction outcome of one chat turn with context_management (serving.sessions)."""
+        self._keep_gauges()
         try:
             runtime = self._coordinator.runtime(turn.model)
             outcome = await self._sessions.turn(turn, runtime.compactor.tokenizer)

@@ -236,6 +236,12 @@ class Coordinator:
         self._report(job, "ok", result.stats, joined)
         return result
 
+    def refresh_gauges(self) -> None:
+        """Set every model's queue gauges again (Ray drops a gauge left unset for two export intervals)."""
+        if self.metrics is not None:
+            for model, gate in self._gates.items():
+                self.metrics.queue(model, gate.state())
+
     async def _admit_and_run(self, runtime: ModelRuntime, job: CompactJob) -> ServiceResult:
         compactor = runtime.compactor
         plan = compactor.plan(job.messages, job.options)  # bad input fails here, before it queues

@@ -296,3 +296,9 @@ async def test_a_failed_replica_is_avoided_on_the_retry() -> None:
     with pytest.raises(BackendError, match="no replica") as err:
         await backend.generate(GenerationRequest((1, 2, 3), 4, routing_key=RouteKey("s", 0).encode()))
     assert backend.tried == ["a", "b", "c"] and "actor died" in str(err.value)
+
+
+def test_the_queue_gauges_can_be_set_again_while_idle(tokenizer: HFChatTokenizer) -> None:
+    sink = Sink()
+    coordinator(tokenizer, FakeReplicas(), sink).refresh_gauges()
+    assert [(s.queued, s.running) for s in sink.states] == [(0, 0)]  # an idle coordinator still reports 0

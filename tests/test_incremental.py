@@ -71,6 +71,16 @@ async def test_other_options_or_an_edited_history_are_not_reused(tokenizer: HFCh
     assert again.stats.reused_chunks == 0  # every chunk's prompt holds the edited message or follows it
 
 
+async def test_reuse_chunks_false_summarises_every_chunk_afresh(tokenizer: HFChatTokenizer) -> None:
+    compactor, backend = make(tokenizer, ChunkCache())
+    first = await compactor.compact(SYSTEM + turns(0, 30), OPTIONS)
+    sent = len(backend.requests)
+    cold = await compactor.compact(SYSTEM + turns(0, 30), {**OPTIONS, "reuse_chunks": False})
+    assert cold.stats.reused_chunks == 0 and len(backend.requests) == 2 * sent
+    warm = await compactor.compact(SYSTEM + turns(0, 30), OPTIONS)  # the cache is still there, and still used
+    assert warm.stats.reused_chunks == first.stats.chunks and len(backend.requests) == 2 * sent
+
+
 def test_the_cache_is_bounded() -> None:
     cache = ChunkCache(max_entries=3)
     ids = list(range(100))

@@ -148,7 +148,7 @@ def long_compaction(tokens: int = 400, **extra: Any) -> dict[str, Any]:
     messages = [{"role": "user", "content": text}, {"role": "assistant", "content": "Logged."}] * 2
     return {
         "model": MODEL, "messages": messages, "chunk_tokens": 256, "max_chunk_summary_tokens": tokens,
-        "fixed_output_tokens": True, "placement": "spread", **extra,
+        "fixed_output_tokens": True, "placement": "spread", "reuse_chunks": False, **extra,
     }  # fmt: skip
 
 

@@ -177,6 +177,7 @@ def test_a_replica_killed_during_a_parallel_compaction(client: httpx.Client, his
     victim = replicas[0]
     body = {
         "model": MODEL, "messages": history, "chunk_tokens": 512, "max_chunk_summary_tokens": 48, "placement": "spread",
+        "reuse_chunks": False,
     }  # fmt: skip
     outcome: dict[str, Any] = {}
     worker = threading.Thread(target=lambda: outcome.update(response=client.post("/v1/compact", json=body)))

@@ -42,7 +42,11 @@ class Workload:
     answer_tokens: int = 16
     options: CompactionOptions = field(
         default_factory=lambda: CompactionOptions(
-            strategy="parallel", chunk_tokens=512, max_chunk_summary_tokens=32, fixed_output_tokens=True
+            strategy="parallel",
+            chunk_tokens=512,
+            max_chunk_summary_tokens=32,
+            fixed_output_tokens=True,
+            reuse_chunks=False,
         )
     )
 

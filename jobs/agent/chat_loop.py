@@ -122,7 +122,9 @@ def run_episode(
     """Play the steps as one agent session through the chat endpoint (see the module docstring)."""
     entry = settings.entry(mode, chunks_hint)
     session = f"bench-{mode}-{uuid.uuid4().hex[:8]}"
-    history: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM_PROMPT}]
+    # The session id in the system message: no chunk summary of an earlier episode (another mode, on the
+    # same service) matches this one's prompts, so each episode compacts from scratch and reuses only its own.
+    history: list[dict[str, Any]] = [{"role": "system", "content": f"{SYSTEM_PROMPT} (Session {session}.)"}]
     turns: list[TurnRecord] = []
     began = time.perf_counter()
     for index, step in enumerate(steps):

@@ -5,7 +5,8 @@ Pure decisions (no Ray, no HTTP); `serving.chat` wires them to requests, the coo
 A chat request opts in with one `context_management` entry (the OpenAI Responses API's shape):
     {"type": "compaction", "compact_threshold": N, "background_threshold": M?, ...compaction options}
 and the turn's rendered prompt of P tokens is handled by `decide`:
-    P <= compact_threshold, no background work    -> none (or start one in the background when P > M)
+    P <= compact_threshold, no background work    -> none (or start one in the background when P > M,
+                                                     or when P plus the session's last growth G passes N)
     P <= compact_threshold, background under way  -> none for now; the result waits for a later turn
     P >  compact_threshold, background result     -> apply it: summary + every message after the snapshot
     P >  compact_threshold, nothing usable        -> compact now (blocking), the current turn kept verbatim
@@ -161,16 +162,26 @@ Background = Literal["absent", "running", "done", "failed"]
 Action = Literal["none", "start_background", "wait", "apply", "compact"]
 
 
-def decide(tokens: int, entry: ContextManagement, background: Background, has_session: bool) -> Action:
-    """What this turn does (see the module docstring). `background`: the session's usable snapshot, if any."""
+def wants_background(tokens: int, growth: int, entry: ContextManagement) -> bool:
+    """Past background_threshold, or one more turn like the last (growth tokens) would pass compact_threshold.
+
+    The second case keeps a turn longer than the gap between the thresholds from skipping the
+    background compaction (and compacting blocking on the next turn).
+    """
+    bg = entry.background_threshold
+    return bg is not None and (tokens > bg or tokens + growth > entry.compact_threshold)
+
+
+def decide(tokens: int, entry: ContextManagement, background: Background, has_session: bool, growth: int = 0) -> Action:
+    """What this turn does (see the module docstring). `background`: the session's usable snapshot, if any;
+    `growth`: how many tokens the session's prompt grew by since its last answered turn."""
     if tokens > entry.compact_threshold:
         if background == "done":
             return "apply"
         return "wait" if background == "running" else "compact"
     if background in ("running", "done"):
         return "none"
-    bg = entry.background_threshold
-    if bg is not None and has_session and tokens > bg and background == "absent":
+    if has_session and background == "absent" and wants_background(tokens, growth, entry):
         return "start_background"
     return "none"
 

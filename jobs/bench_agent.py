@@ -198,8 +198,9 @@ def with_service(args: argparse.Namespace, body: Any) -> list[ChatEpisode]:
     """Run `body(openai_client, reset)` against --url, or a service started here (caches reset per mode)."""
     from openai import OpenAI
 
+    # Like an agent: a 429/503 with Retry-After is retried (twice) after the wait it names; its time is in the turn.
     if args.url:
-        client = OpenAI(base_url=f"{args.url}/v1", api_key="unused", max_retries=0, timeout=900)
+        client = OpenAI(base_url=f"{args.url}/v1", api_key="unused", max_retries=2, timeout=900)
         return list(body(client, lambda: None))
     from ray import serve
 
@@ -208,7 +209,7 @@ def with_service(args: argparse.Namespace, body: Any) -> list[ChatEpisode]:
     replicas = {MODEL: {"min": args.replicas, "max": args.replicas, "initial": args.replicas}}
     with LocalService(args.port, {"replicas": replicas}) as service:
         coordinator = serve.get_deployment_handle("Coordinator", app_name=APP_NAME)
-        client = OpenAI(base_url=f"{service.url}/v1", api_key="unused", max_retries=0, timeout=900)
+        client = OpenAI(base_url=f"{service.url}/v1", api_key="unused", max_retries=2, timeout=900)
         return list(body(client, lambda: coordinator.reset_prefix_cache.remote(MODEL).result()))
 
 

@@ -3,8 +3,10 @@
 An agent adds `context_management: [{"type": "compaction", "compact_threshold": N, ...}]` (with the
 `openai` client: `extra_body=`) and `x-session-id: S`. Per turn the ingress
   1. validates the entry (422 naming `context_management[0].<field>`),
-  2. counts the rendered prompt (reusing the count of what the session sent before),
-  3. below every threshold: forwards the turn unchanged (no coordinator call);
+  2. counts the rendered prompt (reusing the count of what the session sent before) and how much it
+     grew since the session's last answered prompt,
+  3. below every threshold (and not about to pass compact_threshold on the next turn): forwards the
+     turn unchanged (no coordinator call);
      otherwise asks the coordinator (`serving.sessions`) what to do, on the session's coordinator replica,
   4. forwards `compaction.messages + messages[replaces_through:]` to the model, on the session's replica,
   5. returns the model's answer with a top-level `compaction` object (on the last chunk when streaming).
@@ -23,7 +25,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from compaction.errors import InvalidInput
 from compaction.history import ChatTokenizer, Message, parse_messages, template_view
-from compaction.policy import ContextManagement, check_window, parse_context_management
+from compaction.policy import ContextManagement, check_window, parse_context_management, wants_background
 from serving.sessions import ChatTurn, TurnCompaction
 
 FIELD = "context_management"
@@ -44,6 +46,7 @@ class PromptCounter:
         self.specials = tuple(s for s in specials if s)
         self.max_sessions = max_sessions
         self._known: OrderedDict[str, tuple[int, str, int]] = OrderedDict()  # session -> (chars, digest, tokens)
+        self._answered: OrderedDict[str, int] = OrderedDict()  # session -> tokens of the prompt last answered
 
     def count(self, messages: Sequence[Message], session: str | None) -> int:
         views = [template_view(m) for m in messages]
@@ -64,6 +67,18 @@ class PromptCounter:
                 self._known.popitem(last=False)
         return head + len(self.tokenizer.encode(full[cut:]))
 
+    def growth(self, session: str | None, tokens: int) -> int:
+        """How many tokens the session's prompt grew by since the last prompt answered for it (0 if unknown)."""
+        last = self._answered.get(session) if session else None
+        return max(tokens - last, 0) if last is not None else 0
+
+    def answered(self, session: str | None, tokens: int) -> None:
+        if session:
+            self._answered[session] = tokens
+            self._answered.move_to_end(session)
+            while len(self._answered) > self.max_sessions:
+                self._answered.popitem(last=False)
+
 
 def _digest(text: str) -> str:
     return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
@@ -77,11 +92,11 @@ def reply_budget(body: dict[str, Any]) -> int:
     return DEFAULT_REPLY_TOKENS
 
 
-def needs_coordinator(tokens: int, entry: ContextManagement, session: str | None) -> bool:
-    """False when no decision can come of asking: below the hard threshold and below (or without) the soft one."""
+def needs_coordinator(tokens: int, entry: ContextManagement, session: str | None, growth: int = 0) -> bool:
+    """False when no decision can come of asking: below the hard threshold and not wanting a background run."""
     if tokens > entry.compact_threshold:
         return True
-    return session is not None and entry.background_threshold is not None and tokens > entry.background_threshold
+    return session is not None and wants_background(tokens, growth, entry)
 
 
 CoordinatorCall = Callable[[ChatTurn], Awaitable[TurnCompaction]]
@@ -106,7 +121,9 @@ async def prepare_turn(
         raise InvalidInput("messages", "send a non-empty list of chat messages")
     messages = parse_messages(raw)
     tokens = counter.count(messages, session)
-    if not needs_coordinator(tokens, entry, session):
+    growth = counter.growth(session, tokens)
+    if not needs_coordinator(tokens, entry, session, growth):
+        counter.answered(session, tokens)
         return forward, TurnCompaction(status="none", prompt_tokens=tokens)
     turn = ChatTurn(
         model=str(body.get("model")),
@@ -114,9 +131,11 @@ async def prepare_turn(
         entry=entry,
         session_id=session,
         prompt_tokens=tokens,
+        growth=growth,
         room=window - reply,
     )
     outcome = await ask(turn)
+    counter.answered(session, outcome.compacted_prompt_tokens or tokens)
     if outcome.status == "applied" and outcome.messages is not None and outcome.replaces_through is not None:
         head = [m.model_dump(mode="json", exclude_none=True) for m in outcome.messages]
         forward["messages"] = head + raw[outcome.replaces_through :]

@@ -4,6 +4,8 @@ A plain class (no Ray import) owned by the coordinator. The decisions are `compa
 this module runs them: it starts a background compaction of a session's snapshot, keeps it (a
 bounded cache of sessions, found again through session affinity), and on the turn that crosses
 the hard threshold splices its result onto the grown history, waiting only for what is left of it.
+When the prompt a turn is answered from already wants a background run (past background_threshold,
+or one more turn like this one would pass compact_threshold), that prompt is the next snapshot.
 
 Nothing here is needed for correctness: the client carries the compacted history, so losing this
 state (a restart, an eviction) costs only a recomputation.
@@ -22,7 +24,16 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from compaction.errors import CompactionError, InvalidInput, NothingToCompact
 from compaction.history import ChatTokenizer, Message
-from compaction.policy import Background, ContextManagement, Snapshot, decide, message_digests, prompt_tokens, spliced
+from compaction.policy import (
+    Background,
+    ContextManagement,
+    Snapshot,
+    decide,
+    message_digests,
+    prompt_tokens,
+    spliced,
+    wants_background,
+)
 from serving.coordinator import CompactJob, ServiceResult, ServiceStats
 
 Status = Literal["applied", "running", "none"]
@@ -38,6 +49,7 @@ class ChatTurn(BaseModel):
     entry: ContextManagement = Field(description="The request's compaction entry.")
     session_id: str | None = Field(description="x-session-id; background compaction needs one.")
     prompt_tokens: int = Field(description="Tokens of the request's rendered prompt, counted by the ingress.")
+    growth: int = Field(0, description="Tokens the session's prompt grew by since its last answered turn.")
     room: int = Field(description="The most prompt tokens the model window takes beside the reply budget.")
 
 
@@ -98,9 +110,9 @@ class SessionCompactions:
         digests = message_digests(turn.messages)
         running = self._sessions.get(turn.session_id) if turn.session_id else None
         state: Background = running.state(digests) if running else "absent"
-        action = decide(turn.prompt_tokens, turn.entry, state, turn.session_id is not None)
+        action = decide(turn.prompt_tokens, turn.entry, state, turn.session_id is not None, turn.growth)
         if action == "start_background":
-            self._start(turn, digests)
+            self._start(turn, turn.messages, digests)
             return TurnCompaction(status="running", prompt_tokens=turn.prompt_tokens)
         if action == "none":
             status: Status = "running" if state in ("running", "done") else "none"
@@ -116,9 +128,9 @@ class SessionCompactions:
         except CompactionError as exc:
             return self._unapplied(turn, exc, note)
 
-    def _start(self, turn: ChatTurn, digests: Sequence[str]) -> None:
+    def _start(self, turn: ChatTurn, messages: Sequence[Message], digests: Sequence[str]) -> None:
         session = turn.session_id or ""
-        task = asyncio.create_task(self._compact(self._job(turn, turn.messages)), name=f"background-{session}")
+        task = asyncio.create_task(self._compact(self._job(turn, messages)), name=f"background-{session}")
         task.add_done_callback(_retrieve)
         stale = self._sessions.get(session)
         if stale is not None:  # a snapshot of a history the client no longer has
@@ -161,6 +173,8 @@ class SessionCompactions:
             head, through = _compose(result, len(head), through, prompt)
             prompt = spliced(head, through, turn.messages)
             tokens = prompt_tokens(prompt, tokenizer)
+        if turn.session_id and wants_background(tokens, turn.growth, turn.entry):
+            self._start(turn, prompt, message_digests(prompt))  # the compacted prompt is the next snapshot
         return TurnCompaction(
             status="applied",
             messages=head,

@@ -123,3 +123,18 @@ async def test_the_stream_carries_compaction_on_its_last_chunk() -> None:
     parsed = [json.loads(c) for c in chunks[:-1]]
     assert ["compaction" in p for p in parsed] == [False, False, True]
     assert parsed[-1]["compaction"] == compaction_json(outcome())
+
+
+async def test_the_ingress_asks_early_when_the_next_turn_would_pass_the_threshold(tokenizer: HFChatTokenizer) -> None:
+    counter = PromptCounter(tokenizer, tokenizer.special_tokens)
+    ask = Asked(TurnCompaction(status="running", prompt_tokens=0))
+    entry = {"compact_threshold": 1100, "background_threshold": 950}
+    first, second = history(4), history(16)
+    await prepare_turn(body(first, **entry), "s1", counter, 8192, ask)
+    assert not ask.turns  # below both thresholds, nothing known of the session's growth
+    grown = counter.count(parse_messages(second), None)
+    assert grown < 950 and 2 * grown - counter.count(parse_messages(first), None) > 1100
+    await prepare_turn(body(second, **entry), "s1", counter, 8192, ask)
+    assert len(ask.turns) == 1 and ask.turns[0].growth == grown - counter.count(parse_messages(first), None)
+    await prepare_turn(body(second, **entry), "other", counter, 8192, ask)
+    assert len(ask.turns) == 1  # another session has no growth on record

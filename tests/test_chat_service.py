@@ -95,6 +95,24 @@ def test_background_compaction_is_applied_later_with_less_stall_than_it_took(ser
     assert later["compacted_prompt_tokens"] < 1400
 
 
+def test_a_turn_longer_than_the_thresholds_gap_still_compacts_in_the_background(service: Any) -> None:
+    client, session = openai_client(service.url), f"chat-{uuid.uuid4().hex[:8]}"
+    entry = {"compact_threshold": 1400, "background_threshold": 1300}
+    steps = coding_history(16)
+    history = [*steps[:21], {"role": "user", "content": "Keep going."}]
+    first = ask(client, history, session, **entry).model_extra["compaction"]
+    assert first["status"] == "none"
+    history += [{"role": "assistant", "content": "Going on."}, *steps[21:45]]  # six steps: longer than the gap
+    early = ask(client, history, session, **entry).model_extra["compaction"]
+    growth = early["prompt_tokens"] - first["prompt_tokens"]
+    assert early["prompt_tokens"] < 1300 and early["prompt_tokens"] + growth > 1400
+    assert early["status"] == "running", early  # one more turn like this one passes 1400: start now
+    history += [{"role": "assistant", "content": "Yes."}, *steps[45:], {"role": "user", "content": "Done?"}]
+    later = ask(client, history, session, **entry).model_extra["compaction"]
+    assert later["status"] == "applied" and later["source"] == "background", later
+    assert later["replaces_through"] <= len(steps[:45]) + 2
+
+
 @pytest.mark.parametrize(
     ("entry", "field"),
     [

@@ -96,6 +96,14 @@ def test_the_turns_action(tokens: int, background: Any, session: bool, action: s
     assert decide(tokens, entry(background_threshold=4000), background, session) == action
 
 
+def test_a_turn_that_would_put_the_next_past_the_threshold_starts_the_background_run() -> None:
+    soft = entry(background_threshold=4000)
+    assert decide(3000, soft, "absent", True, growth=2900) == "none"
+    assert decide(3000, soft, "absent", True, growth=3001) == "start_background"  # 3000 + 3001 > 6000
+    assert decide(3000, soft, "running", True, growth=3001) == "none"
+    assert decide(3000, entry(), "absent", True, growth=3001) == "none"  # background is opt-in
+
+
 def test_without_background_threshold_only_blocking_compaction() -> None:
     assert decide(5999, entry(), "absent", True) == "none"
     assert decide(6001, entry(), "absent", True) == "compact"

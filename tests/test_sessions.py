@@ -99,7 +99,9 @@ async def test_background_snapshot_is_applied_later_with_nothing_lost_or_summari
     kept = prompt_after(late, grown)
     assert [m.content for m in kept[-28:]] == [m["content"] for m in grown[-28:]]  # ...nothing lost
     assert sum(is_summary(m) for m in kept) == 1  # one summary, of the snapshot only
-    assert len(sessions) == 0  # applied: the client carries it now
+    assert late.compacted_prompt_tokens is not None and late.compacted_prompt_tokens > 700
+    await asyncio.sleep(0.05)  # the prompt answered is past the soft threshold again: it is the next snapshot
+    assert len(sessions) == 1 and len(compact.calls) == 2 and compact.calls[1].messages == kept
 
 
 async def test_a_running_background_compaction_is_waited_for_not_restarted(tokenizer: HFChatTokenizer) -> None:
@@ -115,7 +117,8 @@ async def test_a_running_background_compaction_is_waited_for_not_restarted(token
     assert not over.done()
     gate.set()
     outcome = await over
-    assert outcome.status == "applied" and outcome.source == "background" and len(compact.calls) == 1
+    assert outcome.status == "applied" and outcome.source == "background"
+    assert [c.messages for c in compact.calls].count(parse_messages(snapshot)) == 1  # the snapshot, once
     assert outcome.stall_s >= 0.05
 
 
@@ -163,3 +166,38 @@ async def test_sessions_are_bounded(tokenizer: HFChatTokenizer) -> None:
     for s in ("s1", "s2", "s3"):
         await sessions.turn(turn(tokenizer, snapshot, session=s, background_threshold=700), tokenizer)
     assert len(sessions) == 2
+
+
+async def test_a_turn_longer_than_the_gap_between_thresholds_does_not_skip_the_background_run(
+    tokenizer: HFChatTokenizer,
+) -> None:
+    compact = Counting(tokenizer, FakeReplicas())
+    sessions = SessionCompactions(compact)
+    entry = {"background_threshold": 1100}  # a 100-token gap below compact_threshold=1200
+    snapshot = [SYSTEM, *conversation(0, 16)]
+    below = turn(tokenizer, snapshot, **entry)
+    assert below.prompt_tokens < 1100
+    assert (await sessions.turn(below, tokenizer)).status == "none"  # growth unknown: nothing to foresee
+    growing = below.model_copy(update={"growth": 1200 - below.prompt_tokens + 1})  # one more turn passes 1200
+    assert (await sessions.turn(growing, tokenizer)).status == "running" and len(sessions) == 1
+    await asyncio.sleep(0.05)
+    over = await sessions.turn(turn(tokenizer, [*snapshot, *conversation(16, 30)], **entry), tokenizer)
+    assert over.status == "applied" and over.source == "background" and compact.calls[0].messages == below.messages
+
+
+async def test_a_blocking_compaction_starts_the_next_snapshot_when_the_next_turn_would_pass(
+    tokenizer: HFChatTokenizer,
+) -> None:
+    compact = Counting(tokenizer, FakeReplicas())
+    sessions = SessionCompactions(compact)
+    messages = [SYSTEM, *conversation(0, 30), {"role": "user", "content": "Which trips are booked?"}]
+    request = turn(tokenizer, messages, background_threshold=1100)
+    quiet = await sessions.turn(request, tokenizer)  # no growth known: the compacted prompt waits for a turn
+    assert quiet.status == "applied" and quiet.source == "blocking" and len(sessions) == 0
+    assert quiet.compacted_prompt_tokens is not None and quiet.compacted_prompt_tokens < 1100
+    grows = request.model_copy(update={"growth": 1200 - quiet.compacted_prompt_tokens + 1})
+    outcome = await SessionCompactions(compact).turn(grows, tokenizer)
+    assert outcome.status == "applied" and outcome.messages is not None
+    assert len(compact.calls) == 2
+    await asyncio.sleep(0.05)
+    assert len(compact.calls) == 3 and compact.calls[2].messages == prompt_after(outcome, messages)

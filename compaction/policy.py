@@ -6,7 +6,8 @@ A chat request opts in with one `context_management` entry (the OpenAI Responses
     {"type": "compaction", "compact_threshold": N, "background_threshold": M?, ...compaction options}
 and the turn's rendered prompt of P tokens is handled by `decide`:
     P <= compact_threshold, no background work    -> none (or start one in the background when P > M,
-                                                     or when P plus the session's last growth G passes N)
+                                                     or when P plus G, the most one turn of the session
+                                                     grew it lately, passes N)
     P <= compact_threshold, background under way  -> none for now; the result waits for a later turn
     P >  compact_threshold, background result     -> apply it: summary + every message after the snapshot
     P >  compact_threshold, nothing usable        -> compact now (blocking), the current turn kept verbatim
@@ -163,7 +164,7 @@ Action = Literal["none", "start_background", "wait", "apply", "compact"]
 
 
 def wants_background(tokens: int, growth: int, entry: ContextManagement) -> bool:
-    """Past background_threshold, or one more turn like the last (growth tokens) would pass compact_threshold.
+    """Past background_threshold, or one more turn growing the prompt by `growth` would pass compact_threshold.
 
     The second case keeps a turn longer than the gap between the thresholds from skipping the
     background compaction (and compacting blocking on the next turn).
@@ -174,7 +175,7 @@ def wants_background(tokens: int, growth: int, entry: ContextManagement) -> bool
 
 def decide(tokens: int, entry: ContextManagement, background: Background, has_session: bool, growth: int = 0) -> Action:
     """What this turn does (see the module docstring). `background`: the session's usable snapshot, if any;
-    `growth`: how many tokens the session's prompt grew by since its last answered turn."""
+    `growth`: the most one turn of the session grew its prompt lately (tokens)."""
     if tokens > entry.compact_threshold:
         if background == "done":
             return "apply"

@@ -30,6 +30,7 @@ from serving.sessions import ChatTurn, TurnCompaction
 
 FIELD = "context_management"
 DEFAULT_REPLY_TOKENS = 256  # reply budget assumed when the request sets none (window check only)
+RECENT_TURNS = 4  # a session's next turn may grow its prompt as much as the largest of its last few
 
 
 class PromptCounter:
@@ -46,7 +47,8 @@ class PromptCounter:
         self.specials = tuple(s for s in specials if s)
         self.max_sessions = max_sessions
         self._known: OrderedDict[str, tuple[int, str, int]] = OrderedDict()  # session -> (chars, digest, tokens)
-        self._answered: OrderedDict[str, int] = OrderedDict()  # session -> tokens of the prompt last answered
+        # session -> (tokens of the prompt last answered, growth of its last RECENT_TURNS turns)
+        self._answered: OrderedDict[str, tuple[int, tuple[int, ...]]] = OrderedDict()
 
     def count(self, messages: Sequence[Message], session: str | None) -> int:
         views = [template_view(m) for m in messages]
@@ -68,13 +70,18 @@ class PromptCounter:
         return head + len(self.tokenizer.encode(full[cut:]))
 
     def growth(self, session: str | None, tokens: int) -> int:
-        """How many tokens the session's prompt grew by since the last prompt answered for it (0 if unknown)."""
-        last = self._answered.get(session) if session else None
-        return max(tokens - last, 0) if last is not None else 0
+        """How far one turn of this session may grow its prompt: the largest growth of its last few turns,
+        this one's (since the prompt last answered) included; 0 for a session not seen before."""
+        last, recent = self._answered.get(session, (None, ())) if session else (None, ())
+        return max(tokens - last if last is not None else 0, *recent, 0)
 
-    def answered(self, session: str | None, tokens: int) -> None:
+    def answered(self, session: str | None, sent: int, answered: int) -> None:
+        """Record a turn: the prompt it sent and the prompt the model answered (smaller if compacted)."""
         if session:
-            self._answered[session] = tokens
+            last, recent = self._answered.get(session, (None, ()))
+            if last is not None:
+                recent = (*recent, max(sent - last, 0))[-RECENT_TURNS:]
+            self._answered[session] = (answered, recent)
             self._answered.move_to_end(session)
             while len(self._answered) > self.max_sessions:
                 self._answered.popitem(last=False)
@@ -123,7 +130,7 @@ async def prepare_turn(
     tokens = counter.count(messages, session)
     growth = counter.growth(session, tokens)
     if not needs_coordinator(tokens, entry, session, growth):
-        counter.answered(session, tokens)
+        counter.answered(session, tokens, tokens)
         return forward, TurnCompaction(status="none", prompt_tokens=tokens)
     turn = ChatTurn(
         model=str(body.get("model")),
@@ -135,7 +142,7 @@ async def prepare_turn(
         room=window - reply,
     )
     outcome = await ask(turn)
-    counter.answered(session, outcome.compacted_prompt_tokens or tokens)
+    counter.answered(session, tokens, outcome.compacted_prompt_tokens or tokens)
     if outcome.status == "applied" and outcome.messages is not None and outcome.replaces_through is not None:
         head = [m.model_dump(mode="json", exclude_none=True) for m in outcome.messages]
         forward["messages"] = head + raw[outcome.replaces_through :]

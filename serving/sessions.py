@@ -49,7 +49,7 @@ class ChatTurn(BaseModel):
     entry: ContextManagement = Field(description="The request's compaction entry.")
     session_id: str | None = Field(description="x-session-id; background compaction needs one.")
     prompt_tokens: int = Field(description="Tokens of the request's rendered prompt, counted by the ingress.")
-    growth: int = Field(0, description="Tokens the session's prompt grew by since its last answered turn.")
+    growth: int = Field(0, description="The most one turn of this session grew its prompt lately (tokens).")
     room: int = Field(description="The most prompt tokens the model window takes beside the reply budget.")
 
 

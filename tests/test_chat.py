@@ -138,3 +138,6 @@ async def test_the_ingress_asks_early_when_the_next_turn_would_pass_the_threshol
     assert len(ask.turns) == 1 and ask.turns[0].growth == grown - counter.count(parse_messages(first), None)
     await prepare_turn(body(second, **entry), "other", counter, 8192, ask)
     assert len(ask.turns) == 1  # another session has no growth on record
+    short = [*second, {"role": "user", "content": "And?"}]  # a short turn after a long one: the long one counts
+    await prepare_turn(body(short, **entry), "s1", counter, 8192, ask)
+    assert len(ask.turns) == 2 and ask.turns[1].growth == ask.turns[0].growth

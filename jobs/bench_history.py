@@ -101,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
     port, wait_s = args.port or free_port(), args.timeout_s + 60
     with LocalService(port, service_args) as service, httpx.Client(base_url=service.url, timeout=wait_s) as client:
         serve.get_deployment_handle("Coordinator", app_name=APP_NAME).reset_prefix_cache.remote(MODEL).result()
-        say("POST /v1/compact with the default options (fresh prefix caches; about 2 min on 2 quiet cores)")
+        say("POST /v1/compact with the default options (fresh prefix caches; about 10 min on 2 quiet cores)")
         response = waiting(lambda: client.post("/v1/compact", json={"model": MODEL, "messages": trace.messages}))
         if response.status_code != 200:
             print(f"POST /v1/compact answered {response.status_code}: {response.text[:1000]}")

@@ -3,8 +3,8 @@
 An agent adds `context_management: [{"type": "compaction", "compact_threshold": N, ...}]` (with the
 `openai` client: `extra_body=`) and `x-session-id: S`. Per turn the ingress
   1. validates the entry (422 naming `context_management[0].<field>`),
-  2. counts the rendered prompt (reusing the count of what the session sent before) and how much it
-     grew since the session's last answered prompt,
+  2. counts the rendered prompt (reusing the count of what the session sent before) and how far one
+     turn of the session grew it lately (the largest of its last RECENT_TURNS turns),
   3. below every threshold (and not about to pass compact_threshold on the next turn): forwards the
      turn unchanged (no coordinator call);
      otherwise asks the coordinator (`serving.sessions`) what to do, on the session's coordinator replica,
@@ -63,10 +63,7 @@ class PromptCounter:
             done, head = known[0], known[2]
         head += len(self.tokenizer.encode(history[done:cut])) if cut > done else 0
         if session:
-            self._known[session] = (cut, _digest(history[:cut]), head)
-            self._known.move_to_end(session)
-            while len(self._known) > self.max_sessions:
-                self._known.popitem(last=False)
+            self._remember(self._known, session, (cut, _digest(history[:cut]), head))
         return head + len(self.tokenizer.encode(full[cut:]))
 
     def growth(self, session: str | None, tokens: int) -> int:
@@ -81,10 +78,14 @@ class PromptCounter:
             last, recent = self._answered.get(session, (None, ()))
             if last is not None:
                 recent = (*recent, max(sent - last, 0))[-RECENT_TURNS:]
-            self._answered[session] = (answered, recent)
-            self._answered.move_to_end(session)
-            while len(self._answered) > self.max_sessions:
-                self._answered.popitem(last=False)
+            self._remember(self._answered, session, (answered, recent))
+
+    def _remember(self, records: OrderedDict[str, Any], session: str, record: Any) -> None:
+        """Keep a session's record, the least recently seen sessions dropped past max_sessions."""
+        records[session] = record
+        records.move_to_end(session)
+        while len(records) > self.max_sessions:
+            records.popitem(last=False)
 
 
 def _digest(text: str) -> str:

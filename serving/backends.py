@@ -18,6 +18,7 @@ import httpx
 
 from compaction.backend import Generation, GenerationRequest
 from compaction.errors import BackendError, InvalidInput, Overloaded
+from serving.models import cpu_dtype
 
 
 class VLLMBackend:
@@ -49,11 +50,10 @@ class VLLMBackend:
 
         args = AsyncEngineArgs(
             model=str(model_path),
-            dtype="bfloat16",
             max_model_len=max_model_len,
             enable_prefix_caching=True,
             enforce_eager=enforce_eager,
-            **engine_kwargs,
+            **({"dtype": cpu_dtype()} | engine_kwargs),
         )
         return cls(AsyncLLM.from_engine_args(args))
 

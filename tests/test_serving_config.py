@@ -8,6 +8,7 @@ import pytest
 import yaml
 
 from serving.app import AppArgs, build_app, hosted_specs, parse_args
+from serving.models import cpu_dtype, load_catalogue
 
 pytestmark = pytest.mark.ray
 GPU_MODELS = ["llama-3.1-8b-instruct", "gpt-oss-20b", "gpt-oss-120b", "llama-3.3-70b-instruct"]
@@ -65,3 +66,20 @@ def test_the_local_serve_config_is_valid(ray_cluster: None) -> None:
     args = AppArgs.model_validate(app.args)
     assert args.models == ["smollm2-135m-instruct"] and args.coordinator_replicas >= 2
     assert build_app(app.args) is not None
+
+
+@pytest.mark.parametrize(
+    ("flags", "dtype"),
+    [
+        ("flags\t\t: fpu sse2 avx2 fma", "float32"),  # AVX2 only: bf16 would be converted on every matmul
+        ("flags\t\t: fpu avx2 avx512f avx512_bf16", "bfloat16"),
+        ("flags\t\t: fpu avx2 amx_tile amx_bf16", "bfloat16"),
+        ("Features\t: fp asimd bf16 i8mm", "bfloat16"),  # Arm
+    ],
+)
+def test_the_cpu_engines_run_bf16_only_where_the_cpu_computes_it(tmp_path: Path, flags: str, dtype: str) -> None:
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(f"processor\t: 0\nmodel name\t: test\n{flags}\n")
+    assert cpu_dtype(cpuinfo) == dtype
+    assert cpu_dtype(tmp_path / "absent") == "float32"
+    assert load_catalogue().get("smollm2-135m-instruct").engine_args()["dtype"] == cpu_dtype()

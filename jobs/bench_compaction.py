@@ -93,7 +93,11 @@ async def matched_decode(compactor: Compactor, backend: Any, messages: list, arg
 
 async def run(args: argparse.Namespace) -> int:
     from serving.backends import VLLMBackend
+    from serving.local import hush, verbose_requested
     from serving.weights import fetch
+
+    if not verbose_requested(args.verbose):
+        hush()
 
     model = fetch()
     tokenizer = HFChatTokenizer.from_path(model)
@@ -131,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunk-summary-tokens", type=int, default=32, help="Budget per chunk summary")
     parser.add_argument("--matched-decode", action="store_true")
     parser.add_argument("--json", type=Path, default=None, help="Write the rows here")
+    parser.add_argument("--verbose", action="store_true", help="show vLLM's logs too (or VERBOSE=1)")
     return asyncio.run(run(parser.parse_args(argv)))
 
 

@@ -8,7 +8,11 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import signal
+import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -55,7 +59,21 @@ class VLLMBackend:
             enforce_eager=enforce_eager,
             **({"dtype": cpu_dtype()} | engine_kwargs),
         )
-        return cls(AsyncLLM.from_engine_args(args))
+        backend = cls(AsyncLLM.from_engine_args(args))
+        backend.end_with_this_process()
+        return backend
+
+    def end_with_this_process(self) -> None:
+        """Stop the engine's processes when this one exits, a SIGTERM (`kill`, a stopped job) included.
+
+        vLLM runs the engine in a child process that a SIGTERM to this one would otherwise orphan,
+        holding its memory. A SIGTERM becomes an ordinary exit here, so `finally` blocks and atexit
+        run, unless the program (Ray's workers, for one) already handles the signal itself.
+        """
+        atexit.register(self.shutdown)
+        in_main = threading.current_thread() is threading.main_thread()
+        if in_main and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
 
     @property
     def block_size(self) -> int:

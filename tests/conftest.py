@@ -18,12 +18,12 @@ from tests.support import SERVICE_LIMITS, SERVICE_MAX_BYTES, free_port
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests that bring their own Ray cluster and engine run first, before the session's engine and
+    """Tests that start their own engine in another process run first, before the session's engine and
     service hold memory (four float32 engines and two Ray clusters at once pass 24 GiB); tests that
     damage the shared service (killing replicas or the coordinator) run after all others."""
     items.sort(
         key=lambda item: (
-            item.get_closest_marker("own_cluster") is None,
+            item.get_closest_marker("own_engine") is None,
             item.get_closest_marker("destructive") is not None,
         )
     )

@@ -46,7 +46,7 @@ MC = {
 
 @pytest.mark.ray
 @pytest.mark.engine
-@pytest.mark.own_cluster
+@pytest.mark.own_engine
 def test_cli_runs_cells_on_the_engine_actor_and_skips_them_next_time(tmp_path: Path) -> None:
     def sweep_cli(*extra: str) -> None:
         """`python jobs/sweep.py` as a user runs it: its own local Ray, whatever this test process holds."""

@@ -7,6 +7,7 @@
 Each cell is one Ray task; models run in one engine actor per model that all cells share (or
 in a running service). Finished cells are written atomically, one file per cell, by this
 driver only; running the same command again skips them. `--check` prints the integrity counts.
+Quiet by default: our `[sweep]` lines only; `--verbose` (or `VERBOSE=1`) shows Ray's and vLLM's logs.
 `--in-process` runs the cells one after another in this process, with the engines in it too (no
 Ray): for one crowded machine, where a Ray node may not start or its memory monitor kills actors.
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import logging
 import os
 import sys
 import time
@@ -35,6 +37,7 @@ from jobs.data.conversations import SHARED_DATA
 from jobs.experiments.cells import ModelAccess, run_cell
 from jobs.experiments.grid import GENERATED, Cell, SweepConfig, expand, load_config
 from jobs.experiments.results import ResultStore, integrity
+from serving.local import hush, verbose_requested
 from serving.models import Catalogue, load_catalogue
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -198,7 +201,7 @@ def stop_models(actors: Sequence[Any]) -> None:
         ray.kill(actor)
 
 
-def connect(address: str | None, num_cpus: int) -> bool:
+def connect(address: str | None, num_cpus: int, quiet: bool = True) -> bool:
     """Join a cluster (--address, or RAY_ADDRESS as set by `ray job submit`), else start a local one.
 
     Returns whether this process started Ray (and must shut it down). A local start never
@@ -207,12 +210,15 @@ def connect(address: str | None, num_cpus: int) -> bool:
     import ray
 
     target = address or os.environ.get("RAY_ADDRESS")
+    quiet_args: dict[str, Any] = {"log_to_driver": not quiet, "logging_level": logging.ERROR if quiet else logging.INFO}
     if target:
-        ray.init(address=target)
+        ray.init(address=target, **quiet_args)
         return False
     pythonpath = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
-    runtime_env = {"env_vars": {"PYTHONPATH": pythonpath}}
-    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, runtime_env=runtime_env)
+    env_vars = {"PYTHONPATH": pythonpath, **({"VLLM_LOGGING_LEVEL": "ERROR"} if quiet else {})}
+    ray.init(
+        address="local", num_cpus=num_cpus, include_dashboard=False, runtime_env={"env_vars": env_vars}, **quiet_args
+    )
     return True
 
 
@@ -232,7 +238,7 @@ def sweep(config: SweepConfig, args: argparse.Namespace, store: ResultStore, cel
     check_data(cells, paths)
     concurrency = {e.name: e.concurrency for e in config.experiments}
     began = time.perf_counter()
-    started = connect(args.address, args.num_cpus)
+    started = connect(args.address, args.num_cpus, quiet=not args.verbose)
     actors: list = []
     try:
         accesses, actors = start_models(config, load_catalogue(), cells)
@@ -322,11 +328,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--dry-run", action="store_true", help="List the cells and exit")
     parser.add_argument("--in-process", action="store_true", help="No Ray: run the cells one by one in this process")
     parser.add_argument("--check", action="store_true", help="Print the results' integrity counts and exit")
-    return parser.parse_args(argv)
+    parser.add_argument("--verbose", action="store_true", help="Show Ray's and vLLM's logs too (or VERBOSE=1)")
+    args = parser.parse_args(argv)
+    args.verbose = verbose_requested(args.verbose)
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if not args.verbose:
+        hush()
     try:
         config = load_config(args.config)
         expansion = expand(config, load_catalogue())

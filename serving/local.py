@@ -51,17 +51,22 @@ def hush() -> None:
 
 
 @contextlib.contextmanager
-def silenced_stderr() -> Iterator[None]:
-    """Drop what anything in this process (Ray's C++ core at shutdown included) writes to fd 2."""
+def silenced_output() -> Iterator[None]:
+    """Drop what anything in this process writes to fds 1 and 2: Ray's C++ core at shutdown, and
+    the raylet's "(raylet) Task ServeController.graceful_shutdown failed" line that Ray prints on
+    stdout while Serve shuts down."""
+    sys.stdout.flush()
     sys.stderr.flush()
-    saved = os.dup(2)
+    saved = {fd: os.dup(fd) for fd in (1, 2)}
     try:
         with open(os.devnull, "w") as null:
-            os.dup2(null.fileno(), 2)
+            for fd in saved:
+                os.dup2(null.fileno(), fd)
             yield
     finally:
-        os.dup2(saved, 2)
-        os.close(saved)
+        for fd, copy in saved.items():
+            os.dup2(copy, fd)
+            os.close(copy)
 
 
 def replica_progress(app_name: str) -> str:
@@ -173,7 +178,7 @@ class LocalService:
         if not ray.is_initialized():
             return
         say("shutting down Serve" + (" and Ray" if self._own_ray else ""))
-        with silenced_stderr() if self.quiet else contextlib.nullcontext():
+        with silenced_output() if self.quiet else contextlib.nullcontext():
             serve.shutdown()
             if self._own_ray:
                 ray.shutdown()

@@ -355,7 +355,9 @@ NOTES = {
     "the fact's question from it and the judge agreed (parsed verdicts only; judge_is_agent marks a judge that is "
     "the agent model). invented_*: share of model summaries (or of their salient tokens) stating a salient token "
     "found nowhere in their source, in the first attempt (before) and in the text kept (after the grounding check); "
-    "fallback_rate: share of model summaries replaced by the extractive summary.",
+    "a retry after an empty or runaway first attempt is not in 'before', so the rows with grounding_threshold 0 "
+    "(no check) are the figure without the check. fallback_rate: share of model summaries replaced by the "
+    "extractive summary.",
 }
 
 

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import signal
 import sys
@@ -57,6 +58,7 @@ class VLLMBackend:
             max_model_len=max_model_len,
             enable_prefix_caching=True,
             enforce_eager=enforce_eager,
+            use_tqdm_on_load=logging.getLogger("vllm").getEffectiveLevel() < logging.ERROR,  # quiet: no bar
             **({"dtype": cpu_dtype()} | engine_kwargs),
         )
         backend = cls(AsyncLLM.from_engine_args(args))

@@ -20,6 +20,7 @@ import signal
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -45,6 +46,8 @@ def verbose_requested(flag: bool = False) -> bool:
 def hush() -> None:
     """Only errors from Ray, Serve, vLLM and friends in this process (call again after imports that log)."""
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # read when vLLM is first imported
+    os.environ.setdefault("PYTHONWARNINGS", "ignore::FutureWarning")  # for the engine's child processes
+    warnings.filterwarnings("ignore", category=FutureWarning)
     for name in [*NOISY_LOGGERS, *logging.root.manager.loggerDict]:
         if name.split(".")[0] in NOISY_LOGGERS:
             logging.getLogger(name).setLevel(logging.ERROR)

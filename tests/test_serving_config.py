@@ -41,7 +41,7 @@ def test_replica_bounds_can_replace_the_catalogues() -> None:
     autoscaling = spec.llm_config().deployment_config["autoscaling_config"]
     assert (autoscaling["min_replicas"], autoscaling["max_replicas"], autoscaling["initial_replicas"]) == (1, 3, 1)
     (default,) = hosted_specs(parse_args({}))
-    assert default.replicas.initial == 2
+    assert default.replicas.initial == 1  # one replica on every core of the host (docs/placement.md)
 
 
 def test_the_gpu_models_build_into_an_application(ray_cluster: None) -> None:

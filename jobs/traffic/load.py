@@ -2,9 +2,10 @@
 
 A session is an agent with its own history (a LoCoMo conversation slice behind a system message
 naming the agent, so no two sessions share a prefix): `turns` chat turns on /v1/chat/completions
-(x-session-id, each adding the next slice of the conversation as a user message), then one
-compaction of its history (`session_id`). `compactions_only` skips the turns: every session sends
-its compaction at the same moment (a fleet compacting at once).
+(x-session-id, each adding the next slice of the conversation as a user message, with the agent's
+tool time after each, `jobs.agent.tools`), then one compaction of its history (`session_id`).
+`compactions_only` skips the turns: every session sends its compaction at the same moment (a fleet
+compacting at once).
 """
 
 from __future__ import annotations
@@ -12,12 +13,14 @@ from __future__ import annotations
 import asyncio
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import httpx
 
 from compaction.history import ChatTokenizer
+from jobs.agent.metrics import percentile
+from jobs.agent.tools import ToolTime
 from jobs.data.conversations import locomo_messages, truncate_history
 
 
@@ -57,9 +60,17 @@ def make_sessions(
     return out
 
 
-async def play(http: httpx.AsyncClient, session: Session, model: str, compaction: dict[str, Any], calls: Calls) -> None:
+async def play(
+    http: httpx.AsyncClient,
+    session: Session,
+    model: str,
+    compaction: dict[str, Any],
+    calls: Calls,
+    tool_s: list[float] | None = None,
+) -> None:
+    """The session's turns (tool_s[i] seconds of tool time after turn i), then its compaction."""
     messages = list(session.history)
-    for text in session.observations:
+    for i, text in enumerate(session.observations):
         messages.append({"role": "user", "content": text})
         body = {"model": model, "messages": messages, "max_tokens": 16, "temperature": 0.0}
         began = time.monotonic()
@@ -68,6 +79,7 @@ async def play(http: httpx.AsyncClient, session: Session, model: str, compaction
         calls.turns.append((reply.status_code, time.monotonic() - began, usage))
         content = reply.json()["choices"][0]["message"]["content"] if reply.status_code == 200 else None
         messages.append({"role": "assistant", "content": content or "Noted."})
+        await asyncio.sleep(tool_s[i] if tool_s and i < len(tool_s) else 0.0)
     request = {"model": model, "messages": messages, "session_id": session.id, **compaction}
     began = time.monotonic()
     response = await http.post("/v1/compact", json=request)
@@ -80,22 +92,25 @@ async def play(http: httpx.AsyncClient, session: Session, model: str, compaction
 
 
 async def run_level(
-    url: str, sessions: list[Session], model: str, compaction: dict[str, Any], timeout_s: float = 1800
+    url: str,
+    sessions: list[Session],
+    model: str,
+    compaction: dict[str, Any],
+    timeout_s: float = 1800,
+    tool_time: ToolTime | None = None,
 ) -> dict[str, Any]:
-    """Every session at once; the level's figures."""
+    """Every session at once (session i's tool times drawn with seed i); the level's figures."""
     calls = Calls()
     limits = httpx.Limits(max_connections=len(sessions) * 2 + 4)
     began = time.monotonic()
+    tools = [
+        replace(tool_time, seed=i).seconds(len(s.observations)) if tool_time else None for i, s in enumerate(sessions)
+    ]
     async with httpx.AsyncClient(base_url=url, timeout=timeout_s, limits=limits) as http:
-        await asyncio.gather(*(play(http, s, model, compaction, calls) for s in sessions))
+        await asyncio.gather(
+            *(play(http, s, model, compaction, calls, t) for s, t in zip(sessions, tools, strict=True))
+        )
     return figures(calls, len(sessions), time.monotonic() - began)
-
-
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 def figures(calls: Calls, sessions: int, wall_s: float) -> dict[str, Any]:
@@ -109,6 +124,10 @@ def figures(calls: Calls, sessions: int, wall_s: float) -> dict[str, Any]:
         (u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0 for _, u in turns_ok
     )
     span = max(1e-9, calls.compaction_span[1] - calls.compaction_span[0])
+    chunks_per_replica: dict[str, int] = {}
+    for _, stats in ok:
+        for replica in stats.get("replicas") or []:
+            chunks_per_replica[str(replica)] = chunks_per_replica.get(str(replica), 0) + 1
     latencies = [seconds for seconds, _ in ok]
     waits = [s["queue_wait_s"] for _, s in ok]
     return {
@@ -131,4 +150,5 @@ def figures(calls: Calls, sessions: int, wall_s: float) -> dict[str, Any]:
         "compaction_throughput_tok_s": round(sum(s["input_tokens"] for _, s in ok) / span, 1),
         "retry_after_s": sorted(set(calls.retry_after)),
         "mean_chunks": round(statistics.fmean(s["chunks"] for _, s in ok), 2) if ok else 0.0,
+        "chunks_per_replica": sorted(chunks_per_replica.values(), reverse=True),
     }

@@ -1,0 +1,98 @@
+"""Who computes in an engine step: the agent first, background compaction in what it leaves.
+
+Pure rules (no vLLM import); `serving.scheduler` applies them inside vLLM's scheduler.
+
+Priorities follow vLLM's convention, lower runs first: `AGENT` for the agent's own turns and for
+blocking compactions (someone waits for them), `BACKGROUND` for background compactions.
+
+vLLM's `priority` policy alone orders only the waiting queue: a request already running keeps its
+share of every step, and one step runs all its scheduled tokens in one forward pass, so an agent's
+decode step waits behind a background prompt's prefill chunk (seconds on a CPU). Per step, here:
+  - the step's lead is the most urgent priority on the engine (running or waiting);
+  - requests of the lead priority are scheduled as vLLM would;
+  - a less urgent request neither prefills nor is admitted from the waiting queue; it may decode its
+    next token beside the lead (`decode_beside`: a batched decode step costs about what a single one
+    does, so this keeps background work moving at almost no cost to the agent);
+  - a step led by background work gets at most `background_step_tokens` tokens, so an agent request
+    that arrives meanwhile waits one small step, not a whole `max_num_batched_tokens` of prefill.
+Background work held back this way is never starved past the point it is needed: the turn that needs
+its result re-sends what is left at the agent's priority (`serving.sessions`, `Escalation`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, replace
+from typing import Any, Literal
+
+from compaction.backend import Backend, Generation, GenerationRequest
+
+AGENT = 0
+BACKGROUND = 1
+Priority = Literal["agent", "background"]
+PRIORITIES: dict[Priority, int] = {"agent": AGENT, "background": BACKGROUND}
+CONFIG_KEY = "compaction_yield"  # the engine's additional_config entry that carries the rule
+
+
+@dataclass(frozen=True)
+class YieldRule:
+    """How background work yields to the agent inside one engine."""
+
+    background_step_tokens: int | None = None  # token budget of a step led by background work; None: the engine's
+    decode_beside: bool = True  # background requests may decode beside the agent's
+
+    def held(self, priority: int, lead: int, prefilling: bool) -> bool:
+        """True when a request sits this step out."""
+        return priority > lead and (prefilling or not self.decode_beside)
+
+    def budget(self, lead: int, engine_budget: int) -> int:
+        """Token budget of a step whose most urgent request has priority `lead`."""
+        if lead <= AGENT or self.background_step_tokens is None:
+            return engine_budget
+        return min(engine_budget, self.background_step_tokens)
+
+    def config(self) -> dict[str, Any]:
+        """The rule as the engine's `additional_config` entry."""
+        return {
+            CONFIG_KEY: {"background_step_tokens": self.background_step_tokens, "decode_beside": self.decode_beside}
+        }
+
+    @classmethod
+    def from_config(cls, additional_config: Any) -> YieldRule:
+        entry = additional_config.get(CONFIG_KEY) if isinstance(additional_config, dict) else None
+        return cls(**entry) if isinstance(entry, dict) else cls()
+
+
+# The CPU engines' rule, measured with `python -m jobs.bench_yield` (docs/yield.md): on one vLLM-CPU core a
+# 256-token step takes about a second, and a decode step of 8 sequences costs 1.6x one of a single sequence,
+# so background requests neither prefill nor decode beside the agent's there.
+CPU_RULE = YieldRule(background_step_tokens=256, decode_beside=False)
+
+
+class Escalation:
+    """A backend that sends a compaction's prompts at `priority` until `urgent` is set; from then on at the
+    agent's, re-sending what is still in flight (vLLM cannot change a running request's priority; what
+    the first send prefilled stays in the prefix cache, so the re-send reads it from there)."""
+
+    def __init__(self, inner: Backend, priority: int, urgent: asyncio.Event | None = None) -> None:
+        self.inner = inner
+        self.priority = priority
+        self.urgent = urgent or asyncio.Event()
+        self.escalated = 0  # prompts re-sent at the agent's priority
+
+    async def generate(self, request: GenerationRequest) -> Generation:
+        if self.priority <= AGENT or self.urgent.is_set():
+            return await self.inner.generate(replace(request, priority=AGENT))
+        call = asyncio.ensure_future(self.inner.generate(replace(request, priority=self.priority)))
+        urgent = asyncio.ensure_future(self.urgent.wait())
+        try:
+            await asyncio.wait({call, urgent}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            urgent.cancel()
+            if not call.done():
+                call.cancel()
+                await asyncio.wait({call})
+        if not call.cancelled():
+            return call.result()
+        self.escalated += 1
+        return await self.inner.generate(replace(request, priority=AGENT))

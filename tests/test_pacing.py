@@ -1,0 +1,83 @@
+"""Background work yields to the agent: the step rule and the escalation of a background run (pure)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from compaction.backend import Generation, GenerationRequest
+from compaction.errors import BackendError
+from compaction.pacing import AGENT, BACKGROUND, CONFIG_KEY, CPU_RULE, Escalation, YieldRule
+
+
+def test_only_the_most_urgent_requests_prefill_and_background_steps_are_small() -> None:
+    rule = YieldRule(background_step_tokens=256, decode_beside=True)
+    assert not rule.held(AGENT, AGENT, prefilling=True)
+    assert rule.held(BACKGROUND, AGENT, prefilling=True)  # no background prefill beside an agent request
+    assert not rule.held(BACKGROUND, AGENT, prefilling=False)  # its decode rides along
+    assert not rule.held(BACKGROUND, BACKGROUND, prefilling=True)  # alone, background work runs
+    assert YieldRule(256, decode_beside=False).held(BACKGROUND, AGENT, prefilling=False)
+    assert rule.budget(AGENT, 2048) == 2048 and rule.budget(BACKGROUND, 2048) == 256
+    assert YieldRule().budget(BACKGROUND, 2048) == 2048 and rule.budget(BACKGROUND, 128) == 128
+
+
+def test_the_rule_travels_in_the_engines_additional_config() -> None:
+    assert YieldRule.from_config(CPU_RULE.config()) == CPU_RULE
+    assert YieldRule.from_config({}) == YieldRule() == YieldRule.from_config(None)
+    assert set(CPU_RULE.config()) == {CONFIG_KEY}
+
+
+class Parked:
+    """A backend whose calls wait until released, recording the priority of every call and of what completed."""
+
+    def __init__(self) -> None:
+        self.release = asyncio.Event()
+        self.sent: list[int] = []
+        self.done: list[int] = []
+        self.fail = False
+
+    async def generate(self, request: GenerationRequest) -> Generation:
+        self.sent.append(request.priority)
+        await self.release.wait()
+        if self.fail:
+            raise BackendError("replica died")
+        self.done.append(request.priority)
+        return Generation("ok", 1, len(request.prompt_token_ids), 0, "stop", 0.0)
+
+
+async def test_a_background_call_is_resent_at_the_agents_priority_when_a_turn_needs_it() -> None:
+    inner, urgent = Parked(), asyncio.Event()
+    backend = Escalation(inner, BACKGROUND, urgent)
+    calls = [asyncio.create_task(backend.generate(GenerationRequest((1, 2, 3), 4))) for _ in range(3)]
+    await asyncio.sleep(0.01)
+    assert inner.sent == [BACKGROUND] * 3
+    urgent.set()
+    await asyncio.sleep(0.01)
+    assert inner.sent == [BACKGROUND] * 3 + [AGENT] * 3  # the parked calls were cancelled and sent again
+    inner.release.set()
+    assert [g.text for g in await asyncio.gather(*calls)] == ["ok"] * 3
+    assert inner.done == [AGENT] * 3 and backend.escalated == 3
+    assert (await backend.generate(GenerationRequest((1,), 1))).text == "ok" and inner.sent[-1] == AGENT
+
+
+async def test_agent_priority_calls_go_straight_through_and_failures_propagate() -> None:
+    inner = Parked()
+    inner.release.set()
+    assert (await Escalation(inner, AGENT).generate(GenerationRequest((1,), 1))).text == "ok"
+    assert inner.sent == [AGENT]
+    inner.fail = True
+    with pytest.raises(BackendError):
+        await Escalation(inner, BACKGROUND).generate(GenerationRequest((1,), 1))
+
+
+async def test_a_cancelled_caller_cancels_its_call() -> None:
+    inner = Parked()
+    call = asyncio.create_task(Escalation(inner, BACKGROUND).generate(GenerationRequest((1,), 1)))
+    await asyncio.sleep(0.01)
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    inner.release.set()
+    await asyncio.sleep(0.01)
+    assert inner.done == []  # nothing completed behind the caller's back

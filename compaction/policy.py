@@ -9,7 +9,10 @@ and the turn's rendered prompt of P tokens is handled by `decide`:
                                                      or when P plus G, the most one turn of the session
                                                      grew it lately, passes N)
     P <= compact_threshold, background under way  -> none for now; the result waits for a later turn
-    P >  compact_threshold, background result     -> apply it: summary + every message after the snapshot
+    background result ready                       -> apply it: summary + every message after the snapshot
+                                                     (at the next turn; with apply_background "threshold",
+                                                     only once P > compact_threshold)
+    P >  compact_threshold, background under way  -> wait for what is left of it (at the agent's priority)
     P >  compact_threshold, nothing usable        -> compact now (blocking), the current turn kept verbatim
 The protocol is stateless: the client keeps `compaction.messages + history[replaces_through:]`.
 A background snapshot is the request's whole message list; a later turn can use its result only
@@ -55,6 +58,12 @@ class ContextManagement(CompactionOptions):
         "the background and is answered at once; the result is used when a later turn passes compact_threshold.",
     )
     keep_current_turn: bool = Field(True, description="The last user message and everything after it stay verbatim.")
+    apply_background: Literal["ready", "threshold"] = Field(
+        "ready",
+        description="When a finished background compaction is applied. ready: at the session's next turn (no "
+        "wait, and every later turn is answered from the shorter prompt); threshold: only once a turn passes "
+        "compact_threshold.",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -176,9 +185,9 @@ def wants_background(tokens: int, growth: int, entry: ContextManagement) -> bool
 def decide(tokens: int, entry: ContextManagement, background: Background, has_session: bool, growth: int = 0) -> Action:
     """What this turn does (see the module docstring). `background`: the session's usable snapshot, if any;
     `growth`: the most one turn of the session grew its prompt lately (tokens)."""
+    if background == "done" and (tokens > entry.compact_threshold or entry.apply_background == "ready"):
+        return "apply"
     if tokens > entry.compact_threshold:
-        if background == "done":
-            return "apply"
         return "wait" if background == "running" else "compact"
     if background in ("running", "done"):
         return "none"

@@ -51,6 +51,7 @@ from compaction.errors import (
 )
 from compaction.history import Message
 from compaction.options import CompactionOptions
+from compaction.pacing import Priority
 from compaction.tokenizer import HFChatTokenizer
 from serving.chat import FIELD as CONTEXT_MANAGEMENT
 from serving.chat import PromptCounter, prepare_turn, with_compaction
@@ -108,6 +109,11 @@ class CompactRequest(CompactionOptions):
         description="Deadline in seconds, queue wait included; past it the answer is 504 and the work is "
         "cancelled. Default: the service's compaction_timeout_s.",
     )
+    priority: Priority = Field(
+        "agent",
+        description="agent: the caller waits for it, its prompts run beside agent turns; background: its prompts "
+        "yield to agent turns on the engines (prefill only when no agent request is running).",
+    )
 
     def job(self, header_session: str | None) -> CompactJob:
         options = CompactionOptions.model_validate(self.model_dump(include=set(CompactionOptions.model_fields)))
@@ -118,6 +124,7 @@ class CompactRequest(CompactionOptions):
             session_id=self.session_id or header_session or None,
             placement=self.placement,
             timeout_s=self.timeout_s,
+            priority=self.priority,
         )
 
 

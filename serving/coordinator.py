@@ -43,12 +43,22 @@ from compaction.errors import (
     Overloaded,
     UnknownModel,
 )
-from compaction.history import Message
+from compaction.history import Message, template_view
 from compaction.options import CompactionOptions
+from compaction.pacing import BACKGROUND, PRIORITIES, Escalation, Priority
 from compaction.result import CompactionResult, CompactionStats
 from serving.admission import Gate, Limits, SharedRuns
 from serving.metrics import Outcome, OutcomeKind, Sink
-from serving.routing import CostModel, Placement, PlacementInput, PlacementMode, PromptShape, history_key, place
+from serving.routing import (
+    CostModel,
+    Placement,
+    PlacementInput,
+    PlacementMode,
+    PromptShape,
+    RouteKey,
+    history_key,
+    place,
+)
 
 
 class CompactJob(BaseModel):
@@ -61,6 +71,7 @@ class CompactJob(BaseModel):
     session_id: str | None = None
     placement: PlacementMode = "auto"
     timeout_s: float | None = None  # this caller's deadline; None: the service's compaction_timeout_s
+    priority: Priority = "agent"  # background: its prompts yield to agent turns on the engines (compaction.pacing)
 
     def key(self) -> tuple[str, str | None, str]:
         """Identity for de-duplication: the same session asking for the same compaction (deadline aside)."""
@@ -79,6 +90,10 @@ class ServiceStats(CompactionStats):
     history_cached_tokens: int = Field(description="Of history_prompt_tokens, those vLLM served from its prefix cache.")
     history_cached_fraction: float = Field(description="history_cached_tokens / history_prompt_tokens.")
     queue_wait_s: float = Field(description="Time the compaction waited for admission; latency_s excludes it.")
+    priority: Priority = Field("agent", description="The engine priority its prompts were sent at.")
+    escalated_prompts: int = Field(
+        0, description="Background prompts re-sent at the agent's priority because a turn needed the result."
+    )
     coordinator: str | None = Field(None, description="The coordinator replica that ran it.")
     shared: bool = Field(
         False, description="True when this request joined an identical running compaction of the same session."
@@ -207,17 +222,19 @@ class Coordinator:
             raise UnknownModel("model", f"unknown model {model!r}; this service hosts {sorted(self.models)}")
         return self.models[model]
 
-    async def compact(self, job: CompactJob) -> ServiceResult:
+    async def compact(self, job: CompactJob, urgent: asyncio.Event | None = None) -> ServiceResult:
         """Compact one history. Raises a CompactionError; the caller's messages are never modified.
 
         Past the job's deadline: DeadlineExceeded, and the run is cancelled unless another caller
         still waits for it (likewise when the caller is cancelled, e.g. its client disconnected).
+        A background job's prompts go out at the agent's priority from the moment `urgent` is set.
         """
         runtime = self.runtime(job.model)
         timeout = job.timeout_s or self.admission.timeout_s
         try:
             async with asyncio.timeout(timeout):
-                result, joined = await self._shared.run(job.key(), lambda: self._admit_and_run(runtime, job))
+                start = lambda: self._admit_and_run(runtime, job, urgent)  # noqa: E731
+                result, joined = await self._shared.run(job.key(), start)
         except TimeoutError as exc:
             self._report(job, "timeout")
             raise DeadlineExceeded(
@@ -242,7 +259,20 @@ class Coordinator:
             for model, gate in self._gates.items():
                 self.metrics.queue(model, gate.state())
 
-    async def _admit_and_run(self, runtime: ModelRuntime, job: CompactJob) -> ServiceResult:
+    async def warm(self, model: str, messages: list[Message], session_id: str) -> int:
+        """Prefill `messages` on the session's home replica at background priority, so the agent's next turn
+        reads them from the prefix cache (a compacted prompt before it is first sent). Returns the tokens."""
+        compactor = self.runtime(model).compactor
+        tokenizer = compactor.tokenizer
+        ids = tuple(tokenizer.encode(tokenizer.render([template_view(m) for m in messages])))
+        route = RouteKey(session_id).encode()
+        request = GenerationRequest(ids, max_tokens=1, request_id="warm", routing_key=route, priority=BACKGROUND)
+        await compactor.backend.generate(request)
+        return len(ids)
+
+    async def _admit_and_run(
+        self, runtime: ModelRuntime, job: CompactJob, urgent: asyncio.Event | None = None
+    ) -> ServiceResult:
         compactor = runtime.compactor
         plan = compactor.plan(job.messages, job.options)  # bad input fails here, before it queues
         replicas = max(1, await runtime.replicas())
@@ -250,17 +280,21 @@ class Coordinator:
         gate.resize(runtime.batch_sequences * replicas)
         sequences = len(plan.prompts) - len(compactor.reusable(plan))  # chunks from the cache send no prompt
         async with gate.admitted(sequences) as waited:
-            result = await self._run(runtime, plan, job, replicas)
+            result = await self._run(runtime, plan, job, replicas, urgent)
         return result.model_copy(update={"stats": result.stats.model_copy(update={"queue_wait_s": round(waited, 4)})})
 
-    async def _run(self, runtime: ModelRuntime, plan: CompactionPlan, job: CompactJob, replicas: int) -> ServiceResult:
+    async def _run(
+        self, runtime: ModelRuntime, plan: CompactionPlan, job: CompactJob, replicas: int, urgent: asyncio.Event | None
+    ) -> ServiceResult:
         compactor = runtime.compactor
         shape = self._placement_input(plan, job, replicas, compactor)
         placement = place(shape, job.placement, runtime.cost)
         recorder = Recorder(compactor.backend)
-        result = await compactor.run(plan, routes=placement.routes(), backend=recorder)
+        backend = Escalation(recorder, PRIORITIES[job.priority], urgent)
+        result = await compactor.run(plan, routes=placement.routes(), backend=backend)
         out = self._result(plan, placement, result, recorder, job.session_id)
-        return out.model_copy(update={"stats": out.stats.model_copy(update={"coordinator": self.name})})
+        update = {"coordinator": self.name, "priority": job.priority, "escalated_prompts": backend.escalated}
+        return out.model_copy(update={"stats": out.stats.model_copy(update=update)})
 
     def _report(
         self, job: CompactJob, outcome: OutcomeKind, stats: ServiceStats | None = None, joined: bool = False

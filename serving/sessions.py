@@ -1,9 +1,14 @@
 """Compaction inside chat turns, on the coordinator: background snapshots per session, and each turn's outcome.
 
 A plain class (no Ray import) owned by the coordinator. The decisions are `compaction.policy`'s;
-this module runs them: it starts a background compaction of a session's snapshot, keeps it (a
-bounded cache of sessions, found again through session affinity), and on the turn that crosses
-the hard threshold splices its result onto the grown history, waiting only for what is left of it.
+this module runs them: it starts a background compaction of a session's snapshot at background
+priority (its prompts yield to agent turns on the engines, `compaction.pacing`), keeps it (a
+bounded cache of sessions, found again through session affinity), and once it is done prefills the
+compacted prompt on the session's replica, still at background priority, so the turn that applies it
+reads that prompt from the prefix cache. The session's next turn (or, with apply_background
+"threshold", the one that crosses the hard threshold) splices the result onto the grown history; a
+turn that passes the hard threshold while the run is still going raises it to the agent's priority
+and waits only for what is left. A run is used only by a turn of the same model and options.
 When the prompt a turn is answered from already wants a background run (past background_threshold,
 or one more turn like this one would pass compact_threshold), that prompt is the next snapshot.
 
@@ -14,6 +19,7 @@ state (a restart, an eviction) costs only a recomputation.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Coroutine, Sequence
@@ -24,6 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from compaction.errors import CompactionError, InvalidInput, NothingToCompact
 from compaction.history import ChatTokenizer, Message
+from compaction.pacing import Priority
 from compaction.policy import (
     Background,
     ContextManagement,
@@ -37,7 +44,10 @@ from compaction.policy import (
 from serving.coordinator import CompactJob, ServiceResult, ServiceStats
 
 Status = Literal["applied", "running", "none"]
-CompactFn = Callable[[CompactJob], Coroutine[Any, Any, ServiceResult]]  # the coordinator's admission entry
+# The coordinator's admission entry: (job, urgent) -> result; `urgent` set raises a background job's priority.
+CompactFn = Callable[[CompactJob, asyncio.Event], Coroutine[Any, Any, ServiceResult]]
+# Prefill a prompt on the session's replica at background priority: (model, messages, session) -> tokens.
+WarmFn = Callable[[str, list[Message], str], Coroutine[Any, Any, int]]
 
 
 class ChatTurn(BaseModel):
@@ -78,26 +88,36 @@ class TurnCompaction(BaseModel):
 
 @dataclass
 class _Running:
-    """A background compaction of one session's snapshot."""
+    """A background compaction of one session's snapshot, then its compacted prompt prefilled (`warmed`)."""
 
     snapshot: Snapshot  # the messages it summarises
-    task: asyncio.Task[ServiceResult]
+    made_for: tuple[str, str]  # the model and options it runs with: only a turn with the same may use it
+    compaction: asyncio.Task[ServiceResult]
+    warmed: asyncio.Task[ServiceResult]  # the compaction's result once its prompt is prefilled (or that failed)
+    urgent: asyncio.Event  # set when a turn waits for it: its prompts then go at the agent's priority
 
-    def state(self, digests: Sequence[str]) -> Background:
-        if not self.snapshot.covers(digests):
-            return "absent"  # the client's history moved on (edited, or compacted by other means)
-        if not self.task.done():
+    def state(self, digests: Sequence[str], turn: ChatTurn) -> Background:
+        if self.made_for != _made_for(turn) or not self.snapshot.covers(digests):
+            return "absent"  # other options, or the client's history moved on (edited, compacted by other means)
+        if not self.warmed.done():
             return "running"
-        return "failed" if self.task.cancelled() or self.task.exception() is not None else "done"
+        return "failed" if self.warmed.cancelled() or self.warmed.exception() is not None else "done"
+
+    def cancel(self) -> None:
+        self.compaction.cancel()
+        self.warmed.cancel()
+
+
+def _made_for(turn: ChatTurn) -> tuple[str, str]:
+    return turn.model, turn.entry.options().model_dump_json()
 
 
 class SessionCompactions:
     """Per-session background compactions and the turn logic (one instance per coordinator replica)."""
 
-    def __init__(
-        self, compact: Callable[[CompactJob], Coroutine[Any, Any, ServiceResult]], *, max_sessions: int = 4096
-    ) -> None:
+    def __init__(self, compact: CompactFn, *, warm: WarmFn | None = None, max_sessions: int = 4096) -> None:
         self._compact = compact
+        self._warm = warm
         self.max_sessions = max_sessions
         self._sessions: OrderedDict[str, _Running] = OrderedDict()
 
@@ -109,7 +129,7 @@ class SessionCompactions:
         began = time.perf_counter()
         digests = message_digests(turn.messages)
         running = self._sessions.get(turn.session_id) if turn.session_id else None
-        state: Background = running.state(digests) if running else "absent"
+        state: Background = running.state(digests, turn) if running else "absent"
         action = decide(turn.prompt_tokens, turn.entry, state, turn.session_id is not None, turn.growth)
         if action == "start_background":
             self._start(turn, turn.messages, digests)
@@ -130,24 +150,42 @@ class SessionCompactions:
 
     def _start(self, turn: ChatTurn, messages: Sequence[Message], digests: Sequence[str]) -> None:
         session = turn.session_id or ""
-        task = asyncio.create_task(self._compact(self._job(turn, messages)), name=f"background-{session}")
-        task.add_done_callback(_retrieve)
+        urgent = asyncio.Event()
+        job = self._job(turn, messages, "background")
+        compaction = asyncio.create_task(self._compact(job, urgent), name=f"background-{session}")
+        warmed = asyncio.create_task(self._warmed(compaction, job, urgent), name=f"warm-{session}")
+        for task in (compaction, warmed):
+            task.add_done_callback(_retrieve)
         stale = self._sessions.get(session)
-        if stale is not None:  # a snapshot of a history the client no longer has
-            stale.task.cancel()
-        self._sessions[session] = _Running(Snapshot.of(digests), task)
+        if stale is not None:  # a snapshot of a history the client no longer has, or of other options
+            stale.cancel()
+        self._sessions[session] = _Running(Snapshot.of(digests), _made_for(turn), compaction, warmed, urgent)
         self._sessions.move_to_end(session)
         while len(self._sessions) > self.max_sessions:
             _, old = self._sessions.popitem(last=False)
-            old.task.cancel()
+            old.cancel()
+
+    async def _warmed(
+        self, compaction: asyncio.Task[ServiceResult], job: CompactJob, urgent: asyncio.Event
+    ) -> ServiceResult:
+        """The background result once its compacted prompt is prefilled on the session's replica (unless a turn
+        is already waiting for it: that turn's own prefill does it), so the turn that applies it reads it there."""
+        result = await compaction
+        if self._warm is not None and job.session_id and not urgent.is_set():
+            prompt = spliced(result.messages[: result.kept_head + 1], result.replaces_through, job.messages)
+            with contextlib.suppress(CompactionError):  # a cache warm-up only; the turn prefills it otherwise
+                await self._warm(job.model, prompt, job.session_id)
+        return result
 
     @staticmethod
     async def _finish(running: _Running) -> tuple[ServiceResult | None, str | None]:
-        """The background result, waiting for what is left of it; None (and why) if it failed."""
+        """The background result, waiting for what is left of it at the agent's priority; None (and why) if it
+        failed."""
+        running.urgent.set()
         try:
-            return await asyncio.shield(running.task), None
+            return await asyncio.shield(running.compaction), None
         except asyncio.CancelledError:
-            if not running.task.cancelled():
+            if not running.compaction.cancelled():
                 raise  # this turn itself was cancelled (client gone); the background run goes on
             return None, "the background compaction was cancelled; compacted now"
         except Exception as exc:  # whatever went wrong in the background, this turn compacts now instead
@@ -164,12 +202,12 @@ class SessionCompactions:
     ) -> TurnCompaction:
         """Splice a finished compaction (or make one now); compact again if the splice still crosses the threshold."""
         if result is None:
-            result = await self._compact(self._job(turn, turn.messages))
+            result = await self._compact(self._job(turn, turn.messages), asyncio.Event())
         head, through = result.messages[: result.kept_head + 1], result.replaces_through
         prompt = spliced(head, through, turn.messages)
         tokens = prompt_tokens(prompt, tokenizer)
         if tokens > turn.entry.compact_threshold:  # the history grew past the threshold again since the snapshot
-            result = await self._compact(self._job(turn, prompt))
+            result = await self._compact(self._job(turn, prompt), asyncio.Event())
             head, through = _compose(result, len(head), through, prompt)
             prompt = spliced(head, through, turn.messages)
             tokens = prompt_tokens(prompt, tokenizer)
@@ -198,9 +236,16 @@ class SessionCompactions:
         return TurnCompaction(status="none", prompt_tokens=turn.prompt_tokens, note=why)
 
     @staticmethod
-    def _job(turn: ChatTurn, messages: Sequence[Message]) -> CompactJob:
+    def _job(turn: ChatTurn, messages: Sequence[Message], priority: Priority = "agent") -> CompactJob:
+        """A compaction of `messages` with the turn's options. A background snapshot keeps `growth` fewer recent
+        tokens verbatim: at least one more turn (about that long) stays verbatim after it by the time it is applied,
+        so the prompt it leaves keeps about keep_recent_tokens, as a blocking compaction's does."""
+        options = turn.entry.options()
+        if priority == "background":
+            keep = max(0, options.keep_recent_tokens - turn.growth)
+            options = options.model_copy(update={"keep_recent_tokens": keep})
         return CompactJob(
-            model=turn.model, messages=list(messages), options=turn.entry.options(), session_id=turn.session_id
+            model=turn.model, messages=list(messages), options=options, session_id=turn.session_id, priority=priority
         )
 
 

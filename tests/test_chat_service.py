@@ -80,7 +80,7 @@ def test_streaming_carries_compaction_on_the_final_chunk(service: Any) -> None:
 
 def test_background_compaction_is_applied_later_with_less_stall_than_it_took(service: Any) -> None:
     client, session = openai_client(service.url), f"chat-{uuid.uuid4().hex[:8]}"
-    entry = {"compact_threshold": 1400, "background_threshold": 900}
+    entry = {"compact_threshold": 1400, "background_threshold": 900, "apply_background": "threshold"}
     steps = coding_history(16)
     history = [*steps[:41], {"role": "user", "content": "Keep going."}]  # ~1,010 tokens: past the soft threshold
     first = ask(client, history, session, **entry).model_extra["compaction"]
@@ -93,6 +93,27 @@ def test_background_compaction_is_applied_later_with_less_stall_than_it_took(ser
     assert later["replaces_through"] <= 42  # every message after the snapshot stays verbatim
     assert later["stall_s"] < later["stats"]["latency_s"]  # it waited less than the compaction took, if at all
     assert later["compacted_prompt_tokens"] < 1400
+
+
+def test_a_finished_background_run_is_applied_at_the_next_turn_from_the_prefix_cache(service: Any) -> None:
+    """The run goes at background priority, its compacted prompt is prefilled on the session's replica, and the
+    turn that applies it (below compact_threshold) waits for nothing and reads that prompt from the cache."""
+    client, session = openai_client(service.url), f"chat-{uuid.uuid4().hex[:8]}"
+    entry = {"compact_threshold": 1400, "background_threshold": 900}
+    history = [*coding_history(16)[:41], {"role": "user", "content": "Keep going."}]
+    assert ask(client, history, session, **entry).model_extra["compaction"]["status"] == "running"
+    deadline = time.monotonic() + 300
+    while True:  # the agent retries the same turn, as after a tool call, until the result is there
+        time.sleep(2)
+        reply = ask(client, history, session, **entry)
+        compaction = reply.model_extra["compaction"]
+        if compaction["status"] == "applied" or time.monotonic() > deadline:
+            break
+    assert compaction["status"] == "applied" and compaction["source"] == "background", compaction
+    assert compaction["stall_s"] < 1.0 and compaction["stats"]["priority"] == "background"
+    assert compaction["compacted_prompt_tokens"] < compaction["prompt_tokens"] <= 1400
+    usage = reply.usage
+    assert usage.prompt_tokens_details.cached_tokens >= usage.prompt_tokens - 256  # all but the last blocks
 
 
 def test_a_turn_longer_than_the_thresholds_gap_still_compacts_in_the_background(service: Any) -> None:

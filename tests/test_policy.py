@@ -84,7 +84,7 @@ def test_a_threshold_must_leave_room_for_the_reply() -> None:
         (5000, "absent", True, "start_background"),
         (5000, "absent", False, "none"),  # no session: nowhere to keep the result
         (5000, "running", True, "none"),
-        (5000, "done", True, "none"),
+        (5000, "done", True, "apply"),  # a finished run is applied at the next turn: no wait, a shorter prompt
         (5000, "failed", True, "none"),  # a failed background run is not retried before the threshold
         (7000, "done", True, "apply"),
         (7000, "running", True, "wait"),
@@ -94,6 +94,12 @@ def test_a_threshold_must_leave_room_for_the_reply() -> None:
 )
 def test_the_turns_action(tokens: int, background: Any, session: bool, action: str) -> None:
     assert decide(tokens, entry(background_threshold=4000), background, session) == action
+
+
+def test_a_finished_run_can_wait_for_the_hard_threshold() -> None:
+    late = entry(background_threshold=4000, apply_background="threshold")
+    assert decide(5000, late, "done", True) == "none"
+    assert decide(7000, late, "done", True) == "apply"
 
 
 def test_a_turn_that_would_put_the_next_past_the_threshold_starts_the_background_run() -> None:

@@ -35,12 +35,12 @@ class Counting:
         self.calls: list[CompactJob] = []
         self.fail = 0
 
-    async def __call__(self, job: CompactJob) -> ServiceResult:
+    async def __call__(self, job: CompactJob, urgent: asyncio.Event | None = None) -> ServiceResult:
         self.calls.append(job)
         if self.fail:
             self.fail -= 1
             raise BackendError("replica died")
-        return await self.coordinator.compact(job)
+        return await self.coordinator.compact(job, urgent)
 
 
 ENTRY = {"type": "compaction", "compact_threshold": 1200, "chunk_tokens": 256, "max_chunk_summary_tokens": 16}
@@ -201,3 +201,63 @@ async def test_a_blocking_compaction_starts_the_next_snapshot_when_the_next_turn
     assert len(compact.calls) == 2
     await asyncio.sleep(0.05)
     assert len(compact.calls) == 3 and compact.calls[2].messages == prompt_after(outcome, messages)
+
+
+async def test_a_finished_background_run_is_applied_at_the_next_turn_from_a_prefilled_prompt(
+    tokenizer: HFChatTokenizer,
+) -> None:
+    compact = Counting(tokenizer, FakeReplicas())
+    warmed: list[Any] = []
+
+    async def warm(model: str, messages: list[Any], session: str) -> int:
+        warmed.append((model, messages, session))
+        return len(messages)
+
+    sessions = SessionCompactions(compact, warm=warm)
+    snapshot = [SYSTEM, *conversation(0, 16)]
+    assert (await sessions.turn(turn(tokenizer, snapshot, background_threshold=700), tokenizer)).status == "running"
+    await asyncio.sleep(0.05)
+    assert compact.calls[0].priority == "background"
+    grown = [*snapshot, *conversation(16, 17)]  # one more exchange: still under compact_threshold
+    request = turn(tokenizer, grown, background_threshold=700)
+    assert request.prompt_tokens <= 1200
+    outcome = await sessions.turn(request, tokenizer)
+    assert outcome.status == "applied" and outcome.source == "background" and outcome.stall_s < 0.05
+    assert outcome.stats is not None and outcome.stats.priority == "background"
+    assert outcome.compacted_prompt_tokens is not None and outcome.compacted_prompt_tokens < request.prompt_tokens
+    ((model, prefilled, session),) = warmed  # the compacted snapshot, prefilled before this turn
+    assert (model, session) == (MODEL, "s1") and prefilled == prompt_after(outcome, snapshot)
+
+
+async def test_a_background_run_is_used_only_by_a_turn_with_its_options(tokenizer: HFChatTokenizer) -> None:
+    compact = Counting(tokenizer, FakeReplicas())
+    sessions = SessionCompactions(compact)
+    snapshot = [SYSTEM, *conversation(0, 16)]
+    await sessions.turn(turn(tokenizer, snapshot, background_threshold=700), tokenizer)
+    await asyncio.sleep(0.05)
+    grown = [*snapshot, *conversation(16, 30)]
+    other = await sessions.turn(turn(tokenizer, grown, background_threshold=700, variant="detailed"), tokenizer)
+    assert other.status == "applied" and other.source == "blocking" and len(compact.calls) >= 2
+    assert compact.calls[1].options.variant == "detailed"
+
+
+async def test_a_turn_that_needs_a_running_background_run_raises_it_to_the_agents_priority(
+    tokenizer: HFChatTokenizer,
+) -> None:
+    gate = asyncio.Event()
+    replicas = FakeReplicas(gate=gate)
+    compact = Counting(tokenizer, replicas)
+    sessions = SessionCompactions(compact)
+    snapshot = [SYSTEM, *conversation(0, 16)]
+    await sessions.turn(turn(tokenizer, snapshot, background_threshold=700), tokenizer)
+    await asyncio.sleep(0.02)  # its chunk prompts are parked on the replicas at background priority
+    over = asyncio.create_task(
+        sessions.turn(turn(tokenizer, [*snapshot, *conversation(16, 30)], background_threshold=700), tokenizer)
+    )
+    await asyncio.sleep(0.02)
+    gate.set()
+    outcome = await over
+    assert outcome.status == "applied" and outcome.source == "background" and outcome.stats is not None
+    assert outcome.stats.priority == "background" and outcome.stats.escalated_prompts == outcome.stats.chunks
+    served = [r.priority for backend in replicas.replicas.values() for r in backend.requests]
+    assert served and set(served[: outcome.stats.chunks]) == {0}  # what completed ran at the agent's priority

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import socket
 import sys
 import time
@@ -31,6 +30,7 @@ from compaction.history import parse_messages, template_view
 from compaction.validity import problems
 from jobs.data.traces import CodingTrace, coding_trace
 from jobs.demo import MODEL, table
+from serving.local import quiet_http_clients
 
 
 def say(message: str) -> None:
@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout-s", type=float, default=3600, help="The service's compaction time limit")
     parser.add_argument("--json", type=Path, default=None, help="Also write the row and the stats here")
     args = parser.parse_args(argv)
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+    quiet_http_clients()
     return run(args)
 
 

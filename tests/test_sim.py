@@ -13,6 +13,7 @@ from compaction.compactor import Compactor
 from compaction.history import parse_messages
 from compaction.layouts import SEGMENT, TARGET
 from compaction.options import LAYOUTS, CompactionOptions
+from compaction.pacing import BACKGROUND
 from compaction.tokenizer import HFChatTokenizer
 from jobs.data.conversations import locomo_messages, truncate_history
 from jobs.sim.cache import PrefixCache
@@ -123,6 +124,37 @@ def test_a_batch_decodes_together_and_a_waiting_prefill_slows_each_step() -> Non
     shared = 0.008 / 0.063 * (0.011 + 0.063)
     assert a.finished == pytest.approx(0.008 + shared + (100 - 0.008 / 0.063) * 0.012)
     assert b.finished == pytest.approx(a.finished + (0.008 / 0.063) * 0.011)  # alone again for its last 0.127
+
+
+@pytest.mark.parametrize("yielding", [True, False])
+def test_a_background_prefill_yields_to_an_agent_turn_and_resumes(yielding: bool) -> None:
+    env = simpy.Environment()
+    cluster = Cluster(env, toy_profile(), 1, "pinned", yielding=yielding)
+    background = cluster.submit(0, 2000, 1, "other", 0, kind="chunk", priority=BACKGROUND)
+    env.run(until=0.5)  # a quarter of its 2 s prefill done
+    turn = cluster.turn("s", "h", 100, 1)
+    env.run()
+    if yielding:  # the turn takes over the prefill at once; the background one resumes with what it had done
+        assert turn.finished == pytest.approx(0.5 + 0.1 + 0.011)
+        assert background.finished == pytest.approx(turn.finished + 1.5 + 0.011, abs=0.02)
+    else:  # FCFS: the turn waits for the whole background prefill
+        assert turn.finished > 2.0 and background.finished < turn.finished
+    assert background.cached_tokens == 0 and background.computed_tokens == 2000
+
+
+def test_a_waiting_turn_raises_a_background_compaction_to_the_agents_priority() -> None:
+    env = simpy.Environment()
+    cluster = Cluster(env, toy_profile(), 1, "pinned", homes={"s": 0})
+    prompts = prompt_lengths("h", (0, 2000), CompactionOptions(chunk_tokens=500), 4, ChunkTokens(tail=20))
+    job = CompactionJob("s", "h", prompts, [8] * len(prompts), 0, 2000, priority=BACKGROUND)
+    compaction = env.process(cluster.compact(job))
+    env.run(until=0.1)
+    busy = [cluster.turn("a", "a", 50, 400)]  # another session decodes: background prefill is held meanwhile
+    env.run(until=1.0)
+    assert not compaction.triggered
+    cluster.escalate(job)
+    env.run(until=compaction)
+    assert busy[0].finished != busy[0].finished  # done while the other turn still decodes (finished is NaN)
 
 
 def test_pinned_compaction_reads_the_agents_cache_and_round_robin_recomputes() -> None:

@@ -4,7 +4,9 @@ Every step is one chat call with the official `openai` client, as a real agent w
 document (a HotpotQA paragraph, a LoCoMo session) arrives as a user message and gets a short
 acknowledgement; a question gets an answer. The client keeps its own history: when a response
 carries `compaction.status == "applied"`, it continues from `compaction.messages +
-history[replaces_through:]`, exactly as the protocol says. Nothing else changes between modes:
+history[replaces_through:]`, exactly as the protocol says. Between turns the agent runs its tools
+(`tool_s`, from `jobs.agent.tools.ToolTime`: the same seconds after the same turn in every mode),
+which is when a background compaction can run without slowing it. Nothing else changes between modes:
   none                 no context_management (only where the whole stream fits the window)
   blocking_sequential  compact_threshold, strategy sequential
   blocking_parallel    compact_threshold, strategy parallel
@@ -19,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
-from jobs.agent.metrics import score_answer
+from jobs.agent.metrics import percentile, score_answer
 from jobs.agent.pipeline import SYSTEM_PROMPT, question_prompt
 from jobs.data.episodes import Document, Question, Step
 
@@ -66,6 +68,7 @@ class TurnRecord:
     cached_tokens: int  # of those, served from vLLM's prefix cache
     output_tokens: int
     latency_s: float  # the whole call, compaction included
+    tool_s: float  # tool time after this turn (idle engine time for the agent)
     status: str  # compaction status: applied, running, none
     stall_s: float  # how long the turn waited for compaction
     source: str | None  # applied: background or blocking
@@ -89,16 +92,23 @@ class ChatEpisode:
         return [t.compaction for t in self.turns if t.compaction is not None]
 
     def totals(self) -> dict[str, Any]:
-        """The figures of the benchmark table."""
+        """The figures of the benchmark table. `turn_p50_s` / `turn_p95_s`: latency of the turns that applied no
+        compaction (what work beside them costs the agent); `mean_prompt_tokens`: the prompt each turn was
+        answered from, on average."""
         applied = [t for t in self.turns if t.status == "applied"]
+        plain = [t.latency_s for t in self.turns if t.status != "applied"]
         stats = self.compactions
         questions = [t for t in self.turns if t.kind == "question"]
         f1 = [float(t.score["f1"]) for t in questions if "f1" in t.score]
         return {
             "mode": self.mode,
             "e2e_s": round(self.e2e_s, 2),
+            "tool_s": round(sum(t.tool_s for t in self.turns), 2),
             "stall_s": round(self.stall_s, 2),
             "max_stall_s": round(max((t.stall_s for t in applied), default=0.0), 2),
+            "turn_p50_s": round(percentile(plain, 0.5), 2),
+            "turn_p95_s": round(percentile(plain, 0.95), 2),
+            "mean_prompt_tokens": round(sum(t.answered_tokens for t in self.turns) / max(1, len(self.turns))),
             "compactions": len(applied),
             "background": sum(t.source == "background" for t in applied),
             "turn_prefill": sum(t.answered_tokens - t.cached_tokens for t in self.turns),
@@ -117,9 +127,17 @@ def document_text(document: Document) -> str:
 
 
 def run_episode(
-    client: Any, model: str, dataset: str, steps: Sequence[Step], mode: str, settings: LoopSettings, chunks_hint: int
+    client: Any,
+    model: str,
+    dataset: str,
+    steps: Sequence[Step],
+    mode: str,
+    settings: LoopSettings,
+    chunks_hint: int,
+    tool_s: Sequence[float] = (),
 ) -> ChatEpisode:
-    """Play the steps as one agent session through the chat endpoint (see the module docstring)."""
+    """Play the steps as one agent session through the chat endpoint (see the module docstring); after turn i
+    the agent spends tool_s[i] seconds in its tools (none after the last turn, or past the list)."""
     entry = settings.entry(mode, chunks_hint)
     session = f"bench-{mode}-{uuid.uuid4().hex[:8]}"
     # The session id in the system message: no chunk summary of an earlier episode (another mode, on the
@@ -147,12 +165,21 @@ def run_episode(
             history = list(compaction["messages"]) + history[int(compaction["replaces_through"]) :]
         answer = reply.choices[0].message.content or ""
         history.append({"role": "assistant", "content": answer if question else (answer.strip() or ACK)})
-        turns.append(_record(index, step, reply, compaction, answer, latency, dataset))
+        tool = tool_s[index] if index < len(tool_s) and index + 1 < len(steps) else 0.0
+        turns.append(_record(index, step, reply, compaction, answer, latency, tool, dataset))
+        time.sleep(tool)
     return ChatEpisode(mode, turns, time.perf_counter() - began)
 
 
 def _record(
-    index: int, step: Step, reply: Any, compaction: dict[str, Any], answer: str, latency: float, dataset: str
+    index: int,
+    step: Step,
+    reply: Any,
+    compaction: dict[str, Any],
+    answer: str,
+    latency: float,
+    tool: float,
+    dataset: str,
 ) -> TurnRecord:
     usage = reply.usage
     details = getattr(usage, "prompt_tokens_details", None)
@@ -166,6 +193,7 @@ def _record(
         cached_tokens=int(getattr(details, "cached_tokens", 0) or 0),
         output_tokens=int(usage.completion_tokens),
         latency_s=latency,
+        tool_s=tool,
         status=str(compaction.get("status") or "none"),
         stall_s=float(compaction.get("stall_s") or 0.0),
         source=compaction.get("source"),

@@ -13,6 +13,7 @@ from typing import Any
 
 from compaction.result import CompactionStats
 from jobs.agent.chat_loop import ChatEpisode, LoopSettings, TurnRecord, run_episode
+from jobs.agent.tools import ToolTime
 from jobs.data.episodes import Step
 from jobs.experiments.grid import Cell
 from jobs.experiments.results import compaction_columns
@@ -44,8 +45,9 @@ async def chat_agent_rows(cell: Cell, steps: list[Step], base_url: str) -> list[
 
     client = OpenAI(base_url=f"{base_url.rstrip('/')}/v1", api_key="unused", max_retries=0, timeout=900)
     loop, hint = settings(cell)
+    tools = ToolTime.parse(cell.tool_time or "0", seed=cell.repeat).seconds(len(steps))
     episode = await asyncio.to_thread(
-        run_episode, client, cell.model, cell.dataset, steps, cell.mode or "none", loop, hint
+        run_episode, client, cell.model, cell.dataset, steps, cell.mode or "none", loop, hint, tools
     )
     rows = [turn_row(t) for t in episode.turns]
     return [*rows, episode_row(episode)]
@@ -64,6 +66,7 @@ def turn_row(turn: TurnRecord) -> dict[str, Any]:
         "answer_output_tokens": turn.output_tokens,
         "answer_latency_s": turn.latency_s,
         "compaction_stall_s": turn.stall_s,
+        "tool_s": turn.tool_s,
         "compaction_status": turn.status,
         "compaction_source": turn.source,
         "compacted": turn.status == "applied",
@@ -84,6 +87,10 @@ def episode_row(episode: ChatEpisode) -> dict[str, Any]:
         "e2e_s": episode.e2e_s,
         "compaction_time_s": episode.stall_s,
         "compaction_count": totals["compactions"],
+        "tool_s": totals["tool_s"],
+        "turn_p50_s": totals["turn_p50_s"],
+        "turn_p95_s": totals["turn_p95_s"],
+        "mean_prompt_tokens": float(totals["mean_prompt_tokens"]),
         "answer_time_s": sum(t.latency_s for t in episode.turns if t.kind == "question"),
         "questions": totals["questions"],
         "compacted_input_tokens": sum(s.input_tokens for s in stats),

@@ -23,6 +23,7 @@ from compaction.errors import InvalidInput
 from compaction.options import GROUNDING_THRESHOLD, CompactionOptions, Layout, Strategy, Variant
 from jobs.agent.chat_loop import ChatMode
 from jobs.agent.judge import pick_judge
+from jobs.agent.tools import ToolTime
 from serving.models import Catalogue
 
 Kind = Literal["summary", "agent", "retention", "chat_agent"]
@@ -92,6 +93,11 @@ class Experiment(BaseModel):
     background_share: float = Field(
         0.625, gt=0, lt=1, description="chat_agent: background_threshold of background_parallel, as a share of τ."
     )
+    tool_time: str = Field(
+        "codex",
+        description="chat_agent: the agent's tool time after each turn: codex (a fit to real Codex tool calls, "
+        "jobs.agent.tools; drawn per repeat) or a number of seconds (0: back to back).",
+    )
     input_tokens: list[int] | None = Field(None, description="summary, retention: history sizes in tokens.")
     grounding_thresholds: list[float] | None = Field(
         None,
@@ -124,6 +130,7 @@ class Experiment(BaseModel):
             raise ValueError(f"{self.name}: modes are for chat_agent experiments, which need them")
         if self.kind == "chat_agent" and not set(self.datasets) <= {"locomo", "hotpotqa"}:
             raise ValueError(f"{self.name}: chat_agent experiments read LoCoMo or HotpotQA")
+        ToolTime.parse(self.tool_time)  # a ValueError naming the problem becomes the config's validation error
         if self.kind in ("summary", "retention") and not self.input_tokens:
             raise ValueError(f"{self.name}: a {self.kind} experiment needs input_tokens")
         if self.kind == "summary" and self.datasets != ["locomo"]:
@@ -192,10 +199,11 @@ class Cell(BaseModel):
     grounding_threshold: float | None = None  # None: the option's default (and ids of older cells unchanged)
     mode: ChatMode | None = None  # chat_agent: how the service compacts (None elsewhere; ids unchanged)
     background_threshold: int | None = None  # chat_agent, background_parallel: the soft threshold
+    tool_time: str | None = None  # chat_agent: jobs.agent.tools.ToolTime spec
 
     @property
     def cell_id(self) -> str:
-        optional = ("grounding_threshold", "mode", "background_threshold")
+        optional = ("grounding_threshold", "mode", "background_threshold", "tool_time")
         params = {k: v for k, v in self.model_dump().items() if k not in optional or v is not None}
         digest = hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()[:10]
         shape = {"sequential": "seq", "extractive": f"ext{self.chunk_tokens}"}.get(
@@ -295,6 +303,7 @@ def expand(config: SweepConfig, catalogue: Catalogue) -> Expansion:
                 grounding_threshold=threshold,
                 mode=mode,
                 background_threshold=int(size * e.background_share) if mode == "background_parallel" else None,
+                tool_time=e.tool_time if e.kind == "chat_agent" else None,
             )
             window = config.backend.max_model_len or catalogue.get(model).max_model_len
             need = size + e.summary_tokens + config.window_headroom_tokens

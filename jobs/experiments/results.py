@@ -61,6 +61,7 @@ SCHEMA = pa.schema(
         pa.field("answer_output_tokens", _I),
         pa.field("answer_latency_s", _F),
         pa.field("compaction_stall_s", _F),
+        pa.field("tool_s", _F),  # chat_agent: the agent's tool time after the turn (episode rows: in all)
         pa.field("compaction_status", _S),  # chat_agent: applied, running or none
         pa.field("compaction_source", _S),  # chat_agent, applied: background or blocking
         pa.field("reused_chunks", _I),  # chunk summaries reused from the chunk cache
@@ -116,6 +117,9 @@ SCHEMA = pa.schema(
         pa.field("e2e_s", _F),
         pa.field("compaction_time_s", _F),
         pa.field("compaction_count", _I),
+        pa.field("turn_p50_s", _F),  # chat_agent: latency of the turns that applied no compaction
+        pa.field("turn_p95_s", _F),
+        pa.field("mean_prompt_tokens", _F),  # chat_agent: the prompt a turn was answered from, on average
         pa.field("answer_time_s", _F),
         pa.field("questions", _I),
         pa.field("compacted_input_tokens", pa.int64()),

@@ -17,6 +17,7 @@ from typing import Any
 
 import simpy
 
+from compaction.pacing import AGENT, YieldRule
 from jobs.sim.engine import Replica, Request, RequestKind
 from jobs.sim.profiles import EngineProfile
 from jobs.sim.shapes import PromptLengths
@@ -32,6 +33,14 @@ def cost_model(profile: EngineProfile, context_tokens: int = 8192) -> CostModel:
         decode_step_s=round(single, 5),
         batch_growth=round(min(10.0, max(0.0, growth)), 4),
     )
+
+
+def yield_rule(profile: EngineProfile) -> YieldRule:
+    """The yield rule the catalogue gives the profile's model (the GPU default where it names none)."""
+    from serving.models import load_catalogue
+
+    spec = load_catalogue().by_name.get(profile.model)
+    return spec.yield_rule() if spec else YieldRule()
 
 
 @dataclass(frozen=True)
@@ -53,6 +62,7 @@ class CompactionJob:
     assumed_cached_tokens: int  # history tokens the home replica holds (the agent's last turn)
     input_tokens: int  # tokens compacted
     targets: Sequence[int] | None = None  # replica of each chunk when already decided (validation replays)
+    priority: int = AGENT  # BACKGROUND for a background compaction (compaction.pacing)
 
 
 @dataclass
@@ -86,10 +96,12 @@ class Cluster:
         cost: CostModel | None = None,
         admission: Admission = Admission(),
         homes: dict[str, int] | None = None,
+        yielding: bool = True,
     ) -> None:
         self.env = env
         self.profile = profile
-        self.replicas = [Replica(env, i, profile) for i in range(replicas)]
+        rule = yield_rule(profile) if yielding else None
+        self.replicas = [Replica(env, i, profile, rule=rule) for i in range(replicas)]
         if profile.host_parallelism is not None:  # one shared host (the CPU service); GPUs are each their own
             for replica in self.replicas:
                 replica.peers = self.replicas
@@ -101,6 +113,7 @@ class Cluster:
         self.homes = homes or {}  # sessions whose home replica is known (validation replays)
         self.outcomes: list[CompactionOutcome] = []
         self.turns: list[Request] = []
+        self._chunks: dict[int, list[Request]] = {}  # running compactions' chunk prompts, by id(job)
 
     def home(self, session: str) -> int:
         if session in self.homes:
@@ -117,8 +130,9 @@ class Cluster:
         *,
         kind: RequestKind,
         keeps_output: bool = False,
+        priority: int = AGENT,
     ) -> Request:
-        request = Request(prompt, output, namespace, prefix, keeps_output, kind, self.env.event())
+        request = Request(prompt, output, namespace, prefix, keeps_output, kind, self.env.event(), priority)
         self.replicas[replica].submit(request)
         return request
 
@@ -143,10 +157,12 @@ class Cluster:
         began = self.env.now
         targets, kind = (list(job.targets), "given") if job.targets is not None else self._targets(job)
         requests = [
-            self.submit(r, p.tokens, out, self._namespace(job, p), p.cached_prefix, kind="chunk")
+            self.submit(r, p.tokens, out, self._namespace(job, p), p.cached_prefix, kind="chunk", priority=job.priority)
             for r, p, out in zip(targets, job.prompts, job.output_tokens, strict=True)
         ]
+        self._chunks[id(job)] = requests
         yield simpy.AllOf(self.env, [r.done for r in requests])
+        del self._chunks[id(job)]
         if slot is not None and self.slots is not None:
             self.slots.release(slot)
         outcome = CompactionOutcome(
@@ -163,6 +179,12 @@ class Cluster:
         )
         self.outcomes.append(outcome)
         return outcome
+
+    def escalate(self, job: CompactionJob) -> None:
+        """A turn waits for this compaction: what is left of it runs at the agent's priority."""
+        for request in self._chunks.get(id(job), []):
+            if request.finished != request.finished:  # not finished (NaN)
+                self.replicas[request.replica].escalate(request)
 
     @staticmethod
     def _namespace(job: CompactionJob, prompt: PromptLengths) -> Hashable | None:

@@ -12,6 +12,13 @@ Replicas that share one host's compute (the CPU profile: every engine's threads 
 1 / max(1, busy / host_parallelism) of their calibrated speed while `busy` of them have work; a replica's change of
 state re-times its peers.
 
+Priorities follow the engines' yield rule (`compaction.pacing`, `serving.scheduler`): a background request (a background
+compaction's chunk prompt, the prefill of its compacted prompt) prefills only while no agent-priority request is on
+the replica, and its steps are at most `background_step_tokens`; an agent request that arrives takes over the prefill
+at once (in the engine it waits for one such step). Background sequences always decode beside agent ones here (the
+GPU rule; on the CPU the rule holds them back too, which the simulator does not model). `yielding=False` gives every
+request the same priority, as vLLM's FCFS scheduler does.
+
 Decode progress is one shared clock `v` (tokens decoded per sequence since start): a sequence that joins at v0 with
 n tokens to go finishes at v0 + n, so events cost O(log batch). A request's cache lookup happens when it reaches the
 head of the prefill queue (vLLM looks prefixes up when it first schedules a request), so chunk prompts queued behind
@@ -29,10 +36,11 @@ from typing import Literal
 
 import simpy
 
+from compaction.pacing import AGENT, YieldRule
 from jobs.sim.cache import PrefixCache
 from jobs.sim.profiles import EngineProfile
 
-RequestKind = Literal["turn", "chunk"]
+RequestKind = Literal["turn", "chunk", "warm"]
 _EPS = 1e-9
 
 
@@ -47,6 +55,7 @@ class Request:
     keeps_output: bool  # the output continues the chain (an agent turn's answer is its next history)
     kind: RequestKind  # agent turn or compaction chunk, for the statistics
     done: simpy.Event  # succeeds when the last token is out
+    priority: int = AGENT  # compaction.pacing: AGENT or BACKGROUND
     replica: int = -1
     submitted: float = math.nan
     started: float = math.nan  # prefill began (cache looked up)
@@ -76,13 +85,16 @@ class Replica:
     index: int
     profile: EngineProfile
     peers: list[Replica] = field(default_factory=list)  # every replica on this one's host, itself included
+    rule: YieldRule | None = None  # the engine's yield rule; None: FCFS, every priority equal
     cache: PrefixCache = field(init=False)
     stats: ReplicaStats = field(default_factory=ReplicaStats)
 
     def __post_init__(self) -> None:
         self.cache = PrefixCache(self.profile.kv_tokens, self.profile.block_size)
-        self.waiting: deque[Request] = deque()
+        self.waiting: deque[Request] = deque()  # agent priority (every request when not yielding)
+        self.held: deque[Request] = deque()  # background priority, waiting or preempted mid-prefill
         self.prefilling: Request | None = None
+        self.agent_decoding = 0
         self.decoding: list[tuple[float, int, Request]] = []  # (finish on the decode clock, tie-break, request)
         self.v = 0.0  # decode clock: tokens each running sequence has decoded since the start
         self.context = 0.0  # context tokens of the decoding batch
@@ -93,7 +105,7 @@ class Replica:
 
     @property
     def load(self) -> int:
-        return len(self.waiting) + len(self.decoding) + (self.prefilling is not None)
+        return len(self.waiting) + len(self.held) + len(self.decoding) + (self.prefilling is not None)
 
     @property
     def busy(self) -> bool:
@@ -103,9 +115,30 @@ class Replica:
         self._changing()
         request.replica, request.submitted = self.index, self.env.now
         self.stats.requests += 1
-        self.waiting.append(request)
+        self._queue(request).append(request)
         self._settle()
         self._changed()
+
+    def escalate(self, request: Request) -> None:
+        """Raise a request to the agent's priority (a turn waits for its compaction)."""
+        if request.priority <= AGENT:
+            return
+        self._changing()
+        if request in self.held:
+            self.held.remove(request)
+            self.waiting.append(request)
+        elif any(r is request for _, _, r in self.decoding):
+            self.agent_decoding += 1
+        request.priority = AGENT
+        self._settle()
+        self._changed()
+
+    def _queue(self, request: Request) -> deque[Request]:
+        return self.held if self.rule is not None and request.priority > AGENT else self.waiting
+
+    def _agent_busy(self) -> bool:
+        head = self.prefilling
+        return bool(self.waiting) or self.agent_decoding > 0 or (head is not None and head.priority <= AGENT)
 
     def _changing(self) -> None:
         """Bring this replica (and its host's peers, whose speed may change with it) up to now."""
@@ -129,7 +162,12 @@ class Replica:
         decode = self.profile.decode_step_s(batch, self.context) * slow if batch else 0.0
         if self.prefilling is None:
             return decode, 0.0
-        chunk = max(self.profile.block_size, self.profile.max_batched_tokens - batch)
+        step = self.profile.max_batched_tokens
+        if self.rule is not None and self.prefilling.priority > AGENT:
+            if self._agent_busy():
+                return decode, 0.0  # held: no background prefill beside agent work
+            step = self.rule.budget(self.prefilling.priority, step)
+        chunk = max(self.profile.block_size, step - batch)
         work = chunk / self.profile.prefill_tokens_per_s
         return decode + work * slow, work
 
@@ -162,10 +200,20 @@ class Replica:
             while self.decoding and self.decoding[0][0] <= self.v + _EPS:
                 self._finish(heapq.heappop(self.decoding)[2])
                 changed = True
-            if self.prefilling is None and self.waiting and len(self.decoding) < self.profile.max_num_seqs:
-                changed = self._start(self.waiting[0]) or changed
+            head = self.prefilling
+            if self.rule is not None and head is not None and head.priority > AGENT and self.waiting:  # agent first
+                self.held.appendleft(head)
+                self.prefilling = None
+                changed = True
+            queue = self.waiting or self.held
+            if self.prefilling is None and queue and len(self.decoding) < self.profile.max_num_seqs:
+                changed = self._start(queue) or changed
 
-    def _start(self, request: Request) -> bool:
+    def _start(self, queue: deque[Request]) -> bool:
+        request = queue[0]
+        if request.started == request.started:  # resumed after an agent request took over its prefill
+            self.prefilling = queue.popleft()
+            return True
         cache = self.cache
         reuse = cache.lookup(request.namespace, request.history_prefix, request.prompt_tokens)
         need = request.prompt_tokens - reuse + request.output_tokens
@@ -177,7 +225,7 @@ class Replica:
                     f"{cache.capacity} tokens of KV on {self.profile.name}; lower tau or the chunk size"
                 )
             return False  # waits until a decoding sequence frees memory
-        self.waiting.popleft()
+        queue.popleft()
         request.cached_tokens, request.reserved, request.started = reuse, reserved, self.env.now
         request.work = self.profile.prefill_seconds(reuse, request.prompt_tokens)
         self.prefilling = request
@@ -190,12 +238,14 @@ class Replica:
             self._finish(request)
             return
         self._count += 1
+        self.agent_decoding += request.priority <= AGENT
         self.context += request.prompt_tokens + request.output_tokens / 2
         heapq.heappush(self.decoding, (self.v + request.output_tokens, self._count, request))
 
     def _finish(self, request: Request) -> None:
         if request.output_tokens > 0:
             self.context -= request.prompt_tokens + request.output_tokens / 2
+            self.agent_decoding -= request.priority <= AGENT
         if not self.decoding:
             self.context = 0.0  # no drift from float sums
         if request.keeps_output:

@@ -32,7 +32,8 @@ from jobs.sim.workload import SimConfig
 
 METRICS: dict[str, pa.DataType] = {
     "model": pa.string(), "hardware": pa.string(), "turns": pa.int64(), "turn_latency_mean_s": pa.float64(),
-    "turn_latency_p95_s": pa.float64(), "compactions": pa.int64(), "refused": pa.int64(),
+    "turn_latency_p50_s": pa.float64(), "turn_latency_p95_s": pa.float64(), "compactions": pa.int64(),
+    "refused": pa.int64(),
     "background_used": pa.int64(), "compaction_latency_mean_s": pa.float64(),
     "compaction_latency_p50_s": pa.float64(), "compaction_latency_p95_s": pa.float64(),
     "queue_wait_mean_s": pa.float64(), "stall_total_s": pa.float64(), "stall_mean_s": pa.float64(),

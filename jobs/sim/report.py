@@ -40,7 +40,7 @@ def load(results: list[Path]) -> pd.DataFrame:
 
 def fleet_table(rows: pd.DataFrame) -> pd.DataFrame:
     """Runs with several replicas: one line per (replicas, sessions, mode, policy)."""
-    fleet = rows[rows.sessions > 1]
+    fleet = rows[(rows.sessions > 1) & (rows.tool_model != "codex")]
     keys = ["profile", "replicas", "sessions", "mode", "policy"]
     table = fleet[keys + list(FLEET_COLUMNS)].sort_values(keys).rename(columns=FLEET_COLUMNS)
     return table.reset_index(drop=True)
@@ -49,7 +49,7 @@ def fleet_table(rows: pd.DataFrame) -> pd.DataFrame:
 def fleet_pivot(rows: pd.DataFrame) -> pd.DataFrame:
     """One line per (replicas, sessions, mode); per policy: stall per compaction, chunk-prompt cache hits,
     compaction throughput; and the agents' mean turn latency (auto) to show saturation."""
-    fleet = rows[rows.sessions > 1].copy()
+    fleet = rows[(rows.sessions > 1) & (rows.tool_model != "codex")].copy()
     fleet["cell"] = (
         fleet.stall_mean_s.map("{:.1f} s".format)
         + " · "
@@ -61,6 +61,27 @@ def fleet_pivot(rows: pd.DataFrame) -> pd.DataFrame:
     table = fleet.pivot_table(index=keys, columns="policy", values="cell", aggfunc="first")
     turn = fleet[fleet.policy == "auto"].set_index(keys).turn_latency_mean_s.map("{:.1f} s".format)
     return table.join(turn.rename("turn (auto)")).reset_index()
+
+
+def agents_table(rows: pd.DataFrame) -> pd.DataFrame:
+    """Fleets of agents with Codex tool time: per (replicas, sessions) and run (blocking, background at equal
+    priority, background yielding), end to end per turn, stall per compaction, turn latency, and the turn p95 over
+    blocking's (what background work costs the agents' turns)."""
+    part = rows[(rows.tool_model == "codex") & (rows.sessions > 1)].copy()
+    if part.empty:
+        return pd.DataFrame()
+    kind = part.yielding.map({True: "background, yielding", False: "background, equal priority"})
+    part["run"] = part["mode"].where(part["mode"] == "blocking", kind)
+    part = part.drop_duplicates(["replicas", "sessions", "run"])  # blocking has no background work to yield
+    blocking = part[part.run == "blocking"].set_index(["replicas", "sessions"]).turn_latency_p95_s
+    part["turn p95 / blocking"] = part.apply(lambda r: r.turn_latency_p95_s / blocking[(r.replicas, r.sessions)], 1)
+    columns = {
+        "e2e_per_turn_s": "end to end per turn s", "stall_mean_s": "stall s/compaction",
+        "turn_latency_p50_s": "turn p50 s", "turn_latency_p95_s": "turn p95 s", "compactions": "compactions",
+    }  # fmt: skip
+    keys = ["replicas", "sessions", "run"]
+    table = part[keys + list(columns) + ["turn p95 / blocking"]].rename(columns=columns)
+    return table.sort_values(keys).reset_index(drop=True)
 
 
 def tau_table(rows: pd.DataFrame) -> pd.DataFrame:
@@ -116,6 +137,10 @@ def write_report(results: list[Path], out: Path) -> Path:
         lines += ["", "## Fleets: per placement policy, blocking vs background", "", "![fleet](fleet.png)", ""]
         lines += ["Per policy: stall per compaction · chunk-prompt cache hits · compaction tokens/s.", ""]
         lines += [markdown(fleet_pivot(rows)), "", markdown(fleet, digits=3)]
+    agents = agents_table(rows)
+    if not agents.empty:
+        lines += ["", "## Agents with Codex tool time: blocking vs background, equal priority or yielding", ""]
+        lines += [markdown(agents, digits=2)]
     taus = tau_table(rows)
     if not taus.empty:
         plot_tau(rows, out / "tau.png")

@@ -33,7 +33,7 @@ def simulate(config: SimConfig, profile: EngineProfile | None = None) -> dict[st
     stream = tuple(synthetic_stream(rng)) if config.dataset == "synthetic" else dataset_stream(config.dataset)
     env = simpy.Environment()
     admission = Admission(config.max_running_compactions, config.max_queued_compactions)
-    cluster = Cluster(env, profile, config.replicas, config.policy, admission=admission)
+    cluster = Cluster(env, profile, config.replicas, config.policy, admission=admission, yielding=config.yielding)
     recorder = Recorder()
     for index in range(config.sessions):
         session = Session(index, config, cluster, stream, random.Random(rng.getrandbits(64)))
@@ -62,6 +62,7 @@ def summarise(
         "hardware": profile.hardware,
         "turns": len(turns),
         "turn_latency_mean_s": mean([t.finished - t.submitted for t in turns]),
+        "turn_latency_p50_s": percentile([t.finished - t.submitted for t in turns], 0.5),
         "turn_latency_p95_s": percentile([t.finished - t.submitted for t in turns], 0.95),
         "compactions": len(done),
         "refused": recorder.refused,

@@ -4,9 +4,13 @@ A session loops: wait `think_s` (tools, the user), append the next observation o
 HotpotQA paragraph per turn, as `jobs.data.episodes` builds them, counted in tokens), then send one turn (prompt =
 the history, `answer_tokens` out) to its home replica. Compaction (issue 8's two modes):
   - blocking: the turn whose prompt would cross `tau` first waits for the whole compaction of the history;
-  - background: the first turn crossing `background_fraction x tau` starts compacting that snapshot and goes on at
-    once; the turn crossing `tau` waits only for the rest of it (none if done) and continues from the summary plus
-    everything after the snapshot. A refused or missing background result falls back to a blocking compaction.
+  - background: the first turn crossing `background_fraction x tau` starts compacting that snapshot at background
+    priority (`yielding`: its prompts prefill only while the replica runs no agent request) and goes on at once;
+    when it is done, its compacted prompt is prefilled on the home replica at background priority too (`warm`), and
+    the session's next turn continues from the summary plus everything after the snapshot (`apply_background`
+    "ready"; "threshold": only the turn crossing `tau`). The turn crossing `tau` while it still runs raises it to
+    the agent's priority and waits only for the rest. A refused or missing background result falls back to a
+    blocking compaction.
 A refused blocking compaction (429) is retried after `retry_after_s`; the wait counts as stall.
 """
 
@@ -16,17 +20,20 @@ import random
 from collections.abc import Generator, Hashable
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import simpy
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from compaction.options import CompactionOptions, Layout, Strategy
+from compaction.pacing import AGENT, BACKGROUND
+from jobs.agent.tools import ToolTime
 from jobs.sim.cluster import Cluster, CompactionJob, CompactionOutcome
 from jobs.sim.shapes import ChunkTokens, prompt_lengths
 from serving.routing import PlacementMode
 
 Mode = Literal["blocking", "background"]
+CODEX = ToolTime()  # the Codex fit of jobs.agent.tools
 Dataset = Literal["locomo", "hotpotqa", "synthetic"]
 GENERATION_PROMPT_TOKENS = 3  # "<|im_start|>assistant\n": opens the answer, stays in the history
 END_OF_TURN_TOKENS = 2  # "<|im_end|>\n" after the answer
@@ -47,6 +54,13 @@ class SimConfig(BaseModel):
     background_fraction: float = Field(
         0.75, gt=0.05, lt=1.0, description="background mode: soft threshold as a share of tau."
     )
+    yielding: bool = Field(
+        True, description="Engines run the yield rule and background compactions go at background priority."
+    )
+    apply_background: Literal["ready", "threshold"] = Field(
+        "ready", description="background mode: a finished run is applied at the next turn, or only at tau."
+    )
+    warm: bool = Field(True, description="background mode: a finished run's compacted prompt is prefilled on home.")
     strategy: Strategy = Field("parallel", description="parallel (chunked) or sequential compaction.")
     chunk_tokens: int = Field(4096, ge=16, le=1_048_576, description="B, the chunk size (parallel).")
     layout: Layout = Field("prefix_exact", description="Chunk prompt layout.")
@@ -56,6 +70,11 @@ class SimConfig(BaseModel):
     keep_recent_tokens: int = Field(0, ge=0, le=1_048_576, description="Newest tokens kept verbatim.")
     answer_tokens: int = Field(128, ge=1, le=32_768, description="Tokens an agent turn decodes.")
     think_s: float = Field(5.0, ge=0, le=3600, description="Mean time between an answer and the next turn (tools).")
+    tool_model: Literal["exponential", "codex"] = Field(
+        "exponential",
+        description="Time between turns: exponential with mean think_s, or the fit to real Codex tool calls "
+        "(jobs.agent.tools: median 0.63 s, mean 4.0 s capped at 60 s; think_s unused).",
+    )
     system_tokens: int = Field(64, ge=0, le=65_536, description="The system prompt, kept through compactions.")
     dataset: Dataset = Field("locomo", description="What each turn appends: LoCoMo sessions, HotpotQA paragraphs.")
     warm_start: bool = Field(True, description="Sessions start at a random history length below tau (steady state).")
@@ -77,6 +96,16 @@ class SimConfig(BaseModel):
 
     def options(self) -> CompactionOptions:
         return CompactionOptions(strategy=self.strategy, chunk_tokens=self.chunk_tokens, layout=self.layout)
+
+
+@dataclass
+class _Background:
+    """A session's background compaction: the run, then (with `warm`) its compacted prompt prefilled."""
+
+    job: CompactionJob
+    snapshot: int  # history tokens when it started
+    compaction: simpy.Process
+    ready: simpy.Process  # done when the result may be applied without waiting
 
 
 @dataclass
@@ -128,20 +157,26 @@ class Session:
         self.position = rng.randrange(len(stream))
         start = rng.uniform(0, config.tau * 0.95) if config.warm_start else 0.0
         self.tokens = config.system_tokens + int(start)
-        self.background: tuple[simpy.Process, int] | None = None  # (process, snapshot tokens)
+        self.background: _Background | None = None
 
     @property
     def namespace(self) -> Hashable:
         return (self.id, self.epoch)
 
-    def job(self, snapshot: int, last_turn: int) -> CompactionJob:
+    def job(self, snapshot: int, last_turn: int, priority: int = AGENT) -> CompactionJob:
         c = self.config
         span = (c.system_tokens, snapshot - c.keep_recent_tokens)
         block = self.cluster.profile.block_size
         prompts = prompt_lengths(self.namespace, span, c.options(), block, ChunkTokens(tail=c.tail_tokens))
         per_chunk = max(16, c.summary_tokens // len(prompts))
         return CompactionJob(
-            self.id, self.namespace, prompts, [per_chunk] * len(prompts), snapshot - last_turn, span[1] - span[0]
+            self.id,
+            self.namespace,
+            prompts,
+            [per_chunk] * len(prompts),
+            snapshot - last_turn,
+            span[1] - span[0],
+            priority=priority,
         )
 
     def compacted_tokens(self, outcome: CompactionOutcome) -> int:
@@ -153,18 +188,46 @@ class Session:
         yield env.timeout(self.rng.uniform(0, c.ramp_s))
         recorder.session_s += max(0.0, c.duration_s - env.now)
         while env.now < c.duration_s:
-            if c.think_s:
+            if c.tool_model == "codex":
+                yield env.timeout(CODEX.draw(self.rng))
+            elif c.think_s:
                 yield env.timeout(self.rng.expovariate(1 / c.think_s))
             observation = self.stream[self.position % len(self.stream)]
             self.position += 1
             self.tokens += observation
             if c.mode == "background" and self.background is None and self.tokens >= c.background_fraction * c.tau:
-                self.background = (env.process(self.cluster.compact(self.job(self.tokens, observation))), self.tokens)
+                self._start_background(observation)
+            ready = self.background.ready if self.background is not None else None
+            if c.apply_background == "ready" and ready is not None and ready.triggered and self.tokens < c.tau:
+                done = cast(CompactionOutcome, ready.value)
+                if done.admitted:
+                    yield from self._compact(observation, recorder)
+                else:  # refused: the turn that crosses tau compacts
+                    recorder.refused += 1
+                    self.background = None
             if self.tokens >= c.tau:
                 yield from self._compact(observation, recorder)
             turn = self.cluster.turn(self.id, self.namespace, self.tokens + GENERATION_PROMPT_TOKENS, c.answer_tokens)
             yield turn.done
             self.tokens += GENERATION_PROMPT_TOKENS + c.answer_tokens + END_OF_TURN_TOKENS
+
+    def _start_background(self, observation: int) -> None:
+        env, c = self.cluster.env, self.config
+        job = self.job(self.tokens, observation, BACKGROUND if c.yielding else AGENT)
+        compaction = env.process(self.cluster.compact(job))
+        ready = env.process(self._warm(compaction)) if c.warm else compaction
+        self.background = _Background(job, self.tokens, compaction, ready)
+
+    def _warm(self, compaction: simpy.Process) -> Generator[simpy.Event, Any, CompactionOutcome]:
+        """The background result, once its compacted prompt is prefilled on the home replica (next epoch's chain)."""
+        outcome = yield compaction
+        if outcome.admitted:
+            tokens = self.compacted_tokens(outcome)
+            home, namespace = self.cluster.home(self.id), (self.id, self.epoch + 1)
+            priority = BACKGROUND if self.config.yielding else AGENT
+            warm = self.cluster.submit(home, tokens, 0, namespace, tokens, kind="warm", priority=priority)
+            yield warm.done
+        return outcome
 
     def _compact(self, observation: int, recorder: Recorder) -> Generator[simpy.Event, Any, None]:
         env, c = self.cluster.env, self.config
@@ -172,8 +235,10 @@ class Session:
         outcome: CompactionOutcome | None = None
         snapshot = self.tokens
         if self.background is not None:
-            process, snapshot = self.background
-            outcome = yield process
+            snapshot = self.background.snapshot
+            if not self.background.compaction.triggered:
+                self.cluster.escalate(self.background.job)
+            outcome = yield self.background.compaction
             if outcome is not None and outcome.admitted:
                 recorder.background_used += 1
             else:

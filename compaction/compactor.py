@@ -267,9 +267,14 @@ class Compactor:
         return self._chunk_stats(plan, k, attempts, kept, time.perf_counter() - began), kept.text
 
     def _source(self, plan: CompactionPlan, k: int) -> Source:
-        """What chunk k's summary may state: the chunk, the history before it, and the prompt's instructions."""
+        """What chunk k's summary may state: the chunk, the history before it, and the caller's instructions.
+
+        Our own instruction text (part numbers, the word budget) is not a source: a summary that
+        states "24" because the tail said "at most 24 words" has invented it.
+        """
         before = segments(plan.history, self.tokenizer, 0, plan.chunks[k].end)
-        return Source(*(s.text for s in before), self.tokenizer.decode(plan.prompts[k].tail))
+        extra = (plan.options.chunk_instructions or {}).get(k)
+        return Source(*(s.text for s in before), *([extra] if extra else []))
 
     def _extractive_text(self, plan: CompactionPlan, chunk: Chunk) -> str:
         budget = plan.options.max_chunk_summary_tokens

@@ -1,6 +1,7 @@
 """What background compaction costs an agent's turns on one engine, per scheduling rule.
 
     python -m jobs.bench_yield [--rules fcfs,priority,yield,yield-256] [--turns 6] [--json PATH]
+    python -m jobs.bench_yield --speed auto,nobind,0-1 [--dtype bfloat16]
 
 Per rule, one in-process vLLM-CPU engine (the CPU default model) and two phases on the same prefix
 cache state: an agent's turns alone (its ~2.5k-token history cached, each turn a new observation
@@ -15,6 +16,9 @@ ratio, and how long the compaction took. Rules:
                 beside an agent request (compaction.pacing)
     yield-N     the same, steps led by background work capped at N tokens
     yield-N-solo  the same, and background requests do not even decode beside the agent's
+
+`--speed` measures instead one bare engine per `VLLM_CPU_OMP_THREADS_BIND` value (auto, nobind, or a core
+list such as 0-1): a cold prefill of 3,072 tokens, then 32 decode steps of one sequence and of eight.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import random
 import statistics
 import sys
 import time
@@ -130,6 +135,50 @@ async def measure(backend: Any, tokenizer: HFChatTokenizer, args: argparse.Names
     }
 
 
+async def engine_speed(backend: Any) -> dict[str, Any]:
+    """Cold prefill rate and decode step times of one engine (prompts of random ids: nothing cached)."""
+    rng = random.Random(0)
+    ids = tuple(rng.randrange(1000, 40000) for _ in range(3072))
+    began = time.perf_counter()
+    await backend.generate(GenerationRequest(ids, max_tokens=1, request_id="prefill"))
+    prefill = time.perf_counter() - began
+    began = time.perf_counter()
+    await backend.generate(GenerationRequest(ids, max_tokens=33, min_tokens=33, request_id="one"))
+    one = (time.perf_counter() - began) / 32
+    began = time.perf_counter()
+    batch = [GenerationRequest((*ids, k), max_tokens=33, min_tokens=33, request_id=f"eight-{k}") for k in range(8)]
+    await asyncio.gather(*(backend.generate(r) for r in batch))
+    eight = (time.perf_counter() - began) / 32
+    return {
+        "prefill_tok_s": round(3072 / prefill, 1),
+        "decode_1_ms": round(1000 * one, 1),
+        "decode_8_ms": round(1000 * eight, 1),
+    }
+
+
+def run_speed(args: argparse.Namespace) -> int:
+    import os
+
+    from serving.backends import VLLMBackend
+    from serving.local import hush
+    from serving.weights import fetch
+
+    hush()
+    model = fetch()
+    rows = []
+    for bind in args.speed.split(","):
+        say(f"binding {bind}: starting an engine ({args.dtype})")
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind
+        backend = VLLMBackend.start(model, max_model_len=8192, dtype=args.dtype)
+        try:
+            rows.append({"binding": bind, "dtype": args.dtype, **asyncio.run(engine_speed(backend))})
+        finally:
+            backend.shutdown()
+        say(" ".join(f"{k}={v}" for k, v in rows[-1].items()))
+    print(table(rows, list(rows[0])))
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     from serving.backends import VLLMBackend
     from serving.local import hush
@@ -165,7 +214,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--background-tokens", type=int, default=4096)
     parser.add_argument("--data", default=str(LOCOMO_PATH))
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--speed", help="bare engine speed per VLLM_CPU_OMP_THREADS_BIND value instead (e.g. auto,0-1)")
+    parser.add_argument("--dtype", default=None, help="--speed: the engines' dtype (default: serving.models.cpu_dtype)")
     args = parser.parse_args(argv)
+    if args.speed:
+        from serving.models import cpu_dtype
+
+        args.dtype = args.dtype or cpu_dtype()
+        return run_speed(args)
     for rule in args.rules.split(","):
         try:
             engine_kwargs(rule)

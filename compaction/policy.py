@@ -7,7 +7,8 @@ A chat request opts in with one `context_management` entry (the OpenAI Responses
 and the turn's rendered prompt of P tokens is handled by `decide`:
     P <= compact_threshold, no background work    -> none (or start one in the background when P > M,
                                                      or when P plus G, the most one turn of the session
-                                                     grew it lately, passes N)
+                                                     grew it lately, passes N; only for an agent that
+                                                     leaves the engine idle between its turns)
     P <= compact_threshold, background under way  -> none for now; the result waits for a later turn
     background result ready                       -> apply it: summary + every message after the snapshot
                                                      (at the next turn; with apply_background "threshold",
@@ -58,6 +59,14 @@ class ContextManagement(CompactionOptions):
         "the background and is answered at once; the result is used when a later turn passes compact_threshold.",
     )
     keep_current_turn: bool = Field(True, description="The last user message and everything after it stay verbatim.")
+    background_min_idle_s: float = Field(
+        0.5,
+        ge=0.0,
+        le=3600.0,
+        description="Background compaction starts only for a session whose recent turns came at least this "
+        "long (on average) after the previous reply: the compaction runs while the agent is in its tools. An "
+        "agent that sends its turns back to back leaves it no time, so its turns compact blocking. 0: always.",
+    )
     apply_background: Literal["ready", "threshold"] = Field(
         "ready",
         description="When a finished background compaction is applied. ready: at the session's next turn (no "
@@ -172,26 +181,39 @@ Background = Literal["absent", "running", "done", "failed"]
 Action = Literal["none", "start_background", "wait", "apply", "compact"]
 
 
-def wants_background(tokens: int, growth: int, entry: ContextManagement) -> bool:
-    """Past background_threshold, or one more turn growing the prompt by `growth` would pass compact_threshold.
+def wants_background(tokens: int, growth: int, entry: ContextManagement, idle_s: float | None = None) -> bool:
+    """Past background_threshold, or one more turn growing the prompt by `growth` would pass compact_threshold;
+    and the agent leaves the engine idle: `idle_s`, its mean time between a reply and its next turn lately
+    (None: not measured yet), is at least background_min_idle_s.
 
     The second case keeps a turn longer than the gap between the thresholds from skipping the
-    background compaction (and compacting blocking on the next turn).
+    background compaction (and compacting blocking on the next turn). The idle condition keeps a
+    back-to-back agent from a background run that could only progress in the gaps it does not leave:
+    held back behind every turn, it would finish late, from an old snapshot, and leave a larger prompt.
     """
     bg = entry.background_threshold
-    return bg is not None and (tokens > bg or tokens + growth > entry.compact_threshold)
+    busy = idle_s is not None and idle_s < entry.background_min_idle_s
+    return bg is not None and not busy and (tokens > bg or tokens + growth > entry.compact_threshold)
 
 
-def decide(tokens: int, entry: ContextManagement, background: Background, has_session: bool, growth: int = 0) -> Action:
+def decide(
+    tokens: int,
+    entry: ContextManagement,
+    background: Background,
+    has_session: bool,
+    growth: int = 0,
+    idle_s: float | None = None,
+) -> Action:
     """What this turn does (see the module docstring). `background`: the session's usable snapshot, if any;
-    `growth`: the most one turn of the session grew its prompt lately (tokens)."""
+    `growth`: the most one turn of the session grew its prompt lately (tokens); `idle_s`: its mean idle
+    time between a reply and its next turn lately (None: unknown)."""
     if background == "done" and (tokens > entry.compact_threshold or entry.apply_background == "ready"):
         return "apply"
     if tokens > entry.compact_threshold:
         return "wait" if background == "running" else "compact"
     if background in ("running", "done"):
         return "none"
-    if has_session and background == "absent" and wants_background(tokens, growth, entry):
+    if has_session and background == "absent" and wants_background(tokens, growth, entry, idle_s):
         return "start_background"
     return "none"
 

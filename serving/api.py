@@ -54,7 +54,7 @@ from compaction.options import CompactionOptions
 from compaction.pacing import Priority
 from compaction.tokenizer import HFChatTokenizer
 from serving.chat import FIELD as CONTEXT_MANAGEMENT
-from serving.chat import PromptCounter, prepare_turn, with_compaction
+from serving.chat import PromptCounter, prepare_turn, when_sent, with_compaction
 from serving.coordinator import CompactJob, ServiceResult
 from serving.coordinator_calls import call_coordinator
 from serving.ray_adapter import ChatRequest, openai_app, openai_routes
@@ -327,9 +327,11 @@ class CompactionIngress(OpenAiIngress):
         if model not in self._windows:
             raise UnknownModel("model", f"unknown model {model!r}; this service hosts {sorted(self._windows)}")
         session = request.headers.get(SESSION_HEADER) or None
-        forward, outcome = await prepare_turn(raw, session, self._counter(model), self._windows[model], self._turn)
+        counter = self._counter(model)
+        forward, outcome = await prepare_turn(raw, session, counter, self._windows[model], self._turn)
         response = await super().chat(ChatRequest.model_validate(forward), request)
-        return with_compaction(response, outcome) if outcome is not None else response
+        response = with_compaction(response, outcome) if outcome is not None else response
+        return when_sent(response, lambda: counter.replied(session))
 
     def _counter(self, model: str) -> PromptCounter:
         if model not in self._counters:

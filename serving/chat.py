@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from collections import OrderedDict
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
@@ -49,6 +50,8 @@ class PromptCounter:
         self._known: OrderedDict[str, tuple[int, str, int]] = OrderedDict()  # session -> (chars, digest, tokens)
         # session -> (tokens of the prompt last answered, growth of its last RECENT_TURNS turns)
         self._answered: OrderedDict[str, tuple[int, tuple[int, ...]]] = OrderedDict()
+        # session -> (when its last reply finished, its last RECENT_TURNS gaps from a reply to the next turn)
+        self._replied: OrderedDict[str, tuple[float | None, tuple[float, ...]]] = OrderedDict()
 
     def count(self, messages: Sequence[Message], session: str | None) -> int:
         views = [template_view(m) for m in messages]
@@ -80,6 +83,21 @@ class PromptCounter:
                 recent = (*recent, max(sent - last, 0))[-RECENT_TURNS:]
             self._remember(self._answered, session, (answered, recent))
 
+    def arrived(self, session: str | None) -> float | None:
+        """A turn of the session arrives: its mean gap from a reply to the next turn lately (None: not seen)."""
+        if not session:
+            return None
+        finished, gaps = self._replied.get(session, (None, ()))
+        if finished is not None:
+            gaps = (*gaps, max(time.monotonic() - finished, 0.0))[-RECENT_TURNS:]
+            self._remember(self._replied, session, (None, gaps))
+        return sum(gaps) / len(gaps) if gaps else None
+
+    def replied(self, session: str | None) -> None:
+        """The session's reply has been sent (its last byte, when streamed): the agent is in its tools now."""
+        if session:
+            self._remember(self._replied, session, (time.monotonic(), self._replied.get(session, (None, ()))[1]))
+
     def _remember(self, records: OrderedDict[str, Any], session: str, record: Any) -> None:
         """Keep a session's record, the least recently seen sessions dropped past max_sessions."""
         records[session] = record
@@ -100,11 +118,13 @@ def reply_budget(body: dict[str, Any]) -> int:
     return DEFAULT_REPLY_TOKENS
 
 
-def needs_coordinator(tokens: int, entry: ContextManagement, session: str | None, growth: int = 0) -> bool:
+def needs_coordinator(
+    tokens: int, entry: ContextManagement, session: str | None, growth: int = 0, idle_s: float | None = None
+) -> bool:
     """False when no decision can come of asking: below the hard threshold and not wanting a background run."""
     if tokens > entry.compact_threshold:
         return True
-    return session is not None and wants_background(tokens, growth, entry)
+    return session is not None and wants_background(tokens, growth, entry, idle_s)
 
 
 CoordinatorCall = Callable[[ChatTurn], Awaitable[TurnCompaction]]
@@ -130,7 +150,8 @@ async def prepare_turn(
     messages = parse_messages(raw)
     tokens = counter.count(messages, session)
     growth = counter.growth(session, tokens)
-    if not needs_coordinator(tokens, entry, session, growth):
+    idle = counter.arrived(session)
+    if not needs_coordinator(tokens, entry, session, growth, idle):
         counter.answered(session, tokens, tokens)
         return forward, TurnCompaction(status="none", prompt_tokens=tokens)
     turn = ChatTurn(
@@ -140,6 +161,7 @@ async def prepare_turn(
         session_id=session,
         prompt_tokens=tokens,
         growth=growth,
+        idle_s=idle,
         room=window - reply,
     )
     outcome = await ask(turn)
@@ -156,6 +178,22 @@ def compaction_json(outcome: TurnCompaction) -> dict[str, Any]:
     if outcome.messages is not None:
         data["messages"] = [m.model_dump(mode="json", exclude_none=True) for m in outcome.messages]
     return data
+
+
+def when_sent(response: Response, done: Callable[[], None]) -> Response:
+    """The response, with `done` called once it is sent: now, or after the last event of a stream."""
+    if not isinstance(response, StreamingResponse):
+        done()
+        return response
+
+    async def events() -> AsyncIterator[Any]:
+        try:
+            async for event in response.body_iterator:
+                yield event
+        finally:
+            done()
+
+    return StreamingResponse(events(), status_code=response.status_code, media_type=response.media_type)
 
 
 def with_compaction(response: Response, outcome: TurnCompaction) -> Response:

@@ -139,11 +139,11 @@ class LocalService:
         import ray
         from ray import serve
 
+        if self.quiet:
+            hush()  # before serving.app imports ray.serve.llm and vLLM, which log as they load
         from serving.app import build_app, parse_args
 
         parse_args(self.args)  # refuse bad arguments before starting anything
-        if self.quiet:
-            hush()
         if not ray.is_initialized():
             self._own_ray = True
             ray.init(

@@ -60,6 +60,9 @@ class ChatTurn(BaseModel):
     session_id: str | None = Field(description="x-session-id; background compaction needs one.")
     prompt_tokens: int = Field(description="Tokens of the request's rendered prompt, counted by the ingress.")
     growth: int = Field(0, description="The most one turn of this session grew its prompt lately (tokens).")
+    idle_s: float | None = Field(
+        None, description="The session's mean time from a reply to its next turn lately (s); None: not measured."
+    )
     room: int = Field(description="The most prompt tokens the model window takes beside the reply budget.")
 
 
@@ -130,7 +133,7 @@ class SessionCompactions:
         digests = message_digests(turn.messages)
         running = self._sessions.get(turn.session_id) if turn.session_id else None
         state: Background = running.state(digests, turn) if running else "absent"
-        action = decide(turn.prompt_tokens, turn.entry, state, turn.session_id is not None, turn.growth)
+        action = decide(turn.prompt_tokens, turn.entry, state, turn.session_id is not None, turn.growth, turn.idle_s)
         if action == "start_background":
             self._start(turn, turn.messages, digests)
             return TurnCompaction(status="running", prompt_tokens=turn.prompt_tokens)
@@ -211,7 +214,7 @@ class SessionCompactions:
             head, through = _compose(result, len(head), through, prompt)
             prompt = spliced(head, through, turn.messages)
             tokens = prompt_tokens(prompt, tokenizer)
-        if turn.session_id and wants_background(tokens, turn.growth, turn.entry):
+        if turn.session_id and wants_background(tokens, turn.growth, turn.entry, turn.idle_s):
             self._start(turn, prompt, message_digests(prompt))  # the compacted prompt is the next snapshot
         return TurnCompaction(
             status="applied",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -13,7 +14,7 @@ from compaction.errors import InvalidInput
 from compaction.history import parse_messages
 from compaction.policy import prompt_tokens
 from compaction.tokenizer import HFChatTokenizer
-from serving.chat import PromptCounter, compaction_json, prepare_turn, with_compaction
+from serving.chat import PromptCounter, compaction_json, prepare_turn, when_sent, with_compaction
 from serving.sessions import ChatTurn, TurnCompaction
 
 SYSTEM = {"role": "system", "content": "You are a coding agent."}
@@ -109,6 +110,23 @@ def test_the_json_answer_carries_compaction_without_null_fields() -> None:
     assert with_compaction(error, outcome()) is error
 
 
+async def test_a_reply_counts_as_sent_after_its_last_event() -> None:
+    sent: list[str] = []
+    midway: list[list[str]] = []
+
+    async def events() -> AsyncIterator[str]:
+        yield "data: one\n\n"
+        midway.append(list(sent))  # what was recorded while the stream still runs
+        yield "data: [DONE]\n\n"
+
+    stream = when_sent(StreamingResponse(events(), media_type="text/event-stream"), lambda: sent.append("sent"))
+    assert isinstance(stream, StreamingResponse) and sent == []
+    assert [str(e) async for e in stream.body_iterator] == ["data: one\n\n", "data: [DONE]\n\n"]
+    assert midway == [[]] and sent == ["sent"]
+    reply = JSONResponse({"id": "x"})
+    assert when_sent(reply, lambda: sent.append("json")) is reply and sent[-1] == "json"
+
+
 async def test_the_stream_carries_compaction_on_its_last_chunk() -> None:
     async def events() -> AsyncIterator[str]:
         yield 'data: {"id": "a", "choices": [{"delta": {"content": "Hel"}}]}\n\n'
@@ -123,6 +141,22 @@ async def test_the_stream_carries_compaction_on_its_last_chunk() -> None:
     parsed = [json.loads(c) for c in chunks[:-1]]
     assert ["compaction" in p for p in parsed] == [False, False, True]
     assert parsed[-1]["compaction"] == compaction_json(outcome())
+
+
+def test_the_counter_measures_the_agents_idle_time_between_a_reply_and_its_next_turn(
+    tokenizer: HFChatTokenizer,
+) -> None:
+    counter = PromptCounter(tokenizer, tokenizer.special_tokens)
+    assert counter.arrived("s1") is None  # nothing replied yet
+    counter.replied("s1")
+    time.sleep(0.2)
+    first = counter.arrived("s1")
+    assert first is not None and 0.2 <= first < 1.0
+    assert counter.arrived("s1") == first  # a retried turn before any reply adds no gap
+    counter.replied("s1")
+    second = counter.arrived("s1")  # back to back: the mean falls
+    assert second is not None and second < first / 1.5
+    assert counter.arrived("other") is None and counter.arrived(None) is None
 
 
 async def test_the_ingress_asks_early_when_the_next_turn_would_pass_the_threshold(tokenizer: HFChatTokenizer) -> None:

@@ -116,6 +116,21 @@ def test_a_finished_background_run_is_applied_at_the_next_turn_from_the_prefix_c
     assert usage.prompt_tokens_details.cached_tokens >= usage.prompt_tokens - 256  # all but the last blocks
 
 
+def test_a_back_to_back_agent_compacts_blocking_not_in_the_background(service: Any) -> None:
+    """An agent that sends its next turn as soon as it has the reply leaves no idle time for a background run."""
+    client, session = openai_client(service.url), f"chat-{uuid.uuid4().hex[:8]}"
+    entry = {"compact_threshold": 1400, "background_threshold": 900}
+    steps = coding_history(16)
+    history = [*steps[:21], {"role": "user", "content": "Keep going."}]
+    assert ask(client, history, session, **entry).model_extra["compaction"]["status"] == "none"
+    history += [{"role": "assistant", "content": "Going on."}, *steps[21:41]]  # past 900, right after the reply
+    busy = ask(client, history, session, **entry).model_extra["compaction"]
+    assert busy["status"] == "none" and busy["prompt_tokens"] > 900, busy
+    history += [{"role": "assistant", "content": "Yes."}, *steps[41:], {"role": "user", "content": "Done?"}]
+    later = ask(client, history, session, **entry).model_extra["compaction"]
+    assert later["status"] == "applied" and later["source"] == "blocking", later
+
+
 def test_a_turn_longer_than_the_thresholds_gap_still_compacts_in_the_background(service: Any) -> None:
     client, session = openai_client(service.url), f"chat-{uuid.uuid4().hex[:8]}"
     entry = {"compact_threshold": 1400, "background_threshold": 1300}
@@ -124,6 +139,7 @@ def test_a_turn_longer_than_the_thresholds_gap_still_compacts_in_the_background(
     first = ask(client, history, session, **entry).model_extra["compaction"]
     assert first["status"] == "none"
     history += [{"role": "assistant", "content": "Going on."}, *steps[21:45]]  # six steps: longer than the gap
+    time.sleep(1.0)  # the agent's tools ran: background work has time to run in
     early = ask(client, history, session, **entry).model_extra["compaction"]
     growth = early["prompt_tokens"] - first["prompt_tokens"]
     assert early["prompt_tokens"] < 1300 and early["prompt_tokens"] + growth > 1400

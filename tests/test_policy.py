@@ -110,6 +110,17 @@ def test_a_turn_that_would_put_the_next_past_the_threshold_starts_the_background
     assert decide(3000, entry(), "absent", True, growth=3001) == "none"  # background is opt-in
 
 
+def test_a_back_to_back_agent_gets_no_background_run() -> None:
+    soft = entry(background_threshold=4000)
+    assert decide(5000, soft, "absent", True, idle_s=0.01) == "none"  # no idle time to run it in
+    assert decide(5000, soft, "absent", True, idle_s=0.5) == "start_background"
+    assert decide(5000, soft, "absent", True, idle_s=None) == "start_background"  # not measured yet
+    assert decide(7000, soft, "absent", True, idle_s=0.01) == "compact"  # it compacts blocking at the threshold
+    assert decide(5000, entry(background_threshold=4000, background_min_idle_s=0), "absent", True, idle_s=0.0) == (
+        "start_background"
+    )
+
+
 def test_without_background_threshold_only_blocking_compaction() -> None:
     assert decide(5999, entry(), "absent", True) == "none"
     assert decide(6001, entry(), "absent", True) == "compact"

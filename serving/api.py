@@ -277,7 +277,8 @@ class BodyGuard:
 
 
 class BearerAuth:
-    """`Authorization: Bearer <key>` on every path but health and docs, when the key's env var is set."""
+    """`Authorization: Bearer <key>` (or `x-api-key: <key>`, as the anthropic client sends it) on every path but
+    health and docs, when the key's env var is set."""
 
     def __init__(self, app: ASGIApp, key_env: str) -> None:
         self.app = app
@@ -286,8 +287,10 @@ class BearerAuth:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         key = os.environ.get(self.key_env)
         if scope["type"] == "http" and key and scope["path"] not in OPEN_PATHS:
-            scheme, _, token = Headers(scope=scope).get("authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+            headers = Headers(scope=scope)
+            scheme, _, token = headers.get("authorization", "").partition(" ")
+            token = token.strip() if scheme.lower() == "bearer" else headers.get("x-api-key", "")
+            if not token or not hmac.compare_digest(token.encode(), key.encode()):
                 response = error_response(401, "authentication_error", "send Authorization: Bearer <API key>")
                 response.headers["WWW-Authenticate"] = "Bearer"
                 return await response(scope, receive, send)

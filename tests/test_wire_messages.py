@@ -189,6 +189,7 @@ async def test_a_compacted_turn_answers_with_the_block_first_and_its_iterations(
     assert [i.type for i in iterations] == ["compaction", "message"] and out.usage.input_tokens == 120
     assert iterations[0].input_tokens == outcome.stats.prompt_tokens and iterations[0].output_tokens > 0
     assert out.content[2].type == "tool_use" and out.content[2].input == {"i": 3}
+    assert out.model_extra is not None and out.model_extra["compaction"]["status"] == "applied"
 
 
 async def test_pause_after_compaction_answers_the_block_alone_and_the_resend_is_answered(

@@ -24,7 +24,7 @@ from typing import Any
 
 from compaction.errors import InvalidInput
 from compaction.history import Message, parse_messages
-from serving.sessions import WIRE_FIELD
+from serving.sessions import WIRE_FIELD, TurnCompaction
 
 SESSION_HEADER = "x-session-id"
 PREFIX = "pc1."
@@ -66,6 +66,12 @@ def session_of(header: str | None, own: Any, own_field: str) -> tuple[str | None
     if not isinstance(own, str) or len(own) > 256 or any(ord(c) < 32 for c in own):
         raise InvalidInput(own_field, "a session id is a string of at most 256 printable characters")
     return own, own_field
+
+
+def outcome_json(outcome: TurnCompaction | None) -> dict[str, Any] | None:
+    """The turn's compaction outcome as the answers' extra `compaction` field (status applied|running|none,
+    tokens, stall_s, source, stats); the item or block carries the messages."""
+    return None if outcome is None else outcome.model_dump(mode="json", exclude={"messages", "replaces_through"})
 
 
 def dumps(messages: Sequence[Message]) -> list[dict[str, Any]]:

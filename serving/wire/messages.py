@@ -31,7 +31,7 @@ from compaction.compactor import SUMMARY_HEADER
 from compaction.errors import InvalidInput
 from compaction.history import Message
 from serving.sessions import TurnCompaction
-from serving.wire.codec import ChatCall, decode, dumps, encode, session_of
+from serving.wire.codec import ChatCall, decode, dumps, encode, outcome_json, session_of
 from serving.wire.sse import event
 
 EDIT_TYPE = "compact_20260112"
@@ -314,7 +314,8 @@ def paused(call: ChatCall, outcome: TurnCompaction, forwarded: list[dict[str, An
     """pause_after_compaction: the compaction block alone, no reply generated."""
     block = compaction_block(outcome, call, forwarded)
     assert block is not None
-    return {**_envelope(call, [block], "compaction", None), "usage": usage(None, outcome, answered=False)}
+    answer = {**_envelope(call, [block], "compaction", None), "usage": usage(None, outcome, answered=False)}
+    return {**answer, "compaction": outcome_json(outcome)}
 
 
 def message(
@@ -329,7 +330,8 @@ def message(
         content.append({"type": "text", "text": chat["content"]})
     content += [_tool_use(c.get("id"), c.get("function") or {}) for c in chat.get("tool_calls") or []]
     reason, stop = stop_reason(choice, call)
-    return {**_envelope(call, content, reason, stop), "usage": usage(completion.get("usage"), outcome)}
+    answer = {**_envelope(call, content, reason, stop), "usage": usage(completion.get("usage"), outcome)}
+    return {**answer, "compaction": outcome_json(outcome)}
 
 
 def _tool_use(call_id: str | None, function: dict[str, Any]) -> dict[str, Any]:
@@ -383,7 +385,8 @@ async def stream(
         for text in out.close():
             yield text
         delta = {"stop_reason": "compaction", "stop_sequence": None}
-        yield event("message_delta", {"type": "message_delta", "delta": delta, "usage": usage(None, outcome, False)})
+        final = {"delta": delta, "usage": usage(None, outcome, False), "compaction": outcome_json(outcome)}
+        yield event("message_delta", {"type": "message_delta", **final})
         yield event("message_stop", {"type": "message_stop"})
         return
     chat_usage, last = None, dict[str, Any]()
@@ -403,7 +406,8 @@ async def stream(
         yield text
     reason, stop = stop_reason(last, call)
     delta = {"stop_reason": reason, "stop_sequence": stop}
-    yield event("message_delta", {"type": "message_delta", "delta": delta, "usage": usage(chat_usage, outcome)})
+    final = {"delta": delta, "usage": usage(chat_usage, outcome), "compaction": outcome_json(outcome)}
+    yield event("message_delta", {"type": "message_delta", **final})
     yield event("message_stop", {"type": "message_stop"})
 
 

@@ -28,7 +28,7 @@ from compaction.history import Message
 from compaction.options import CompactionOptions
 from serving.coordinator import ServiceResult
 from serving.sessions import TurnCompaction
-from serving.wire.codec import ChatCall, decode, dumps, encode, item_id, session_of
+from serving.wire.codec import ChatCall, decode, dumps, encode, item_id, outcome_json, session_of
 from serving.wire.sse import event
 
 TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
@@ -273,11 +273,6 @@ def _envelope(call: ChatCall, output: list[dict[str, Any]], status: str, **field
     }
 
 
-def _summary(outcome: TurnCompaction | None) -> dict[str, Any] | None:
-    """The turn's compaction outcome (status, tokens, stall, stats); the item carries the messages."""
-    return None if outcome is None else outcome.model_dump(mode="json", exclude={"messages", "replaces_through"})
-
-
 def response(
     completion: dict[str, Any], call: ChatCall, outcome: TurnCompaction | None, forwarded: list[dict[str, Any]]
 ) -> dict[str, Any]:
@@ -292,7 +287,7 @@ def response(
     for tool_call in message.get("tool_calls") or []:
         function = tool_call.get("function") or {}
         output.append(_call_item(tool_call.get("id"), function.get("name", ""), function.get("arguments", "")))
-    return _envelope(call, output, status, usage=usage(completion.get("usage")), compaction=_summary(outcome))
+    return _envelope(call, output, status, usage=usage(completion.get("usage")), compaction=outcome_json(outcome))
 
 
 def _message_item(item: str, text: str, status: str) -> dict[str, Any]:
@@ -428,5 +423,5 @@ async def stream(
     status = "incomplete" if finish == "length" else "completed"
     for text in out.close(status):
         yield text
-    final = out.envelope(status, usage=usage(chat_usage), compaction=_summary(outcome))
+    final = out.envelope(status, usage=usage(chat_usage), compaction=outcome_json(outcome))
     yield out.send(f"response.{status}", response=final)

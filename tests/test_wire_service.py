@@ -42,10 +42,10 @@ def session() -> str:
     return f"wire-{uuid.uuid4().hex[:8]}"
 
 
-def respond(client: Any, items: list[Any], key: str, **fields: Any) -> Any:
+def respond(client: Any, items: list[Any], key: str, entry: dict[str, Any] = ENTRY, **fields: Any) -> Any:
     return client.responses.create(
         model=MODEL, input=items, instructions=INSTRUCTIONS, max_output_tokens=12, temperature=0,
-        context_management=[ENTRY], prompt_cache_key=key, **fields,
+        context_management=[entry], prompt_cache_key=key, **fields,
     )  # fmt: skip
 
 
@@ -131,6 +131,40 @@ def test_a_streamed_messages_turn_pauses_after_compaction_and_the_resend_is_answ
         answered = events.get_final_message()
     assert answered.stop_reason in ("end_turn", "max_tokens") and answered.content[0].type == "text"
     assert answered.content[0].text.strip()
+
+
+BACKGROUND = {"compact_threshold": 1400, "background_threshold": 900, "apply_background": "threshold"}
+
+
+def test_a_background_compaction_through_responses_is_applied_later_with_little_stall(service: Any) -> None:
+    client, key = openai_client(service.url), session()
+    steps = coding_items(16)
+    history = [*steps[:40], {"role": "user", "content": "Keep going."}]  # ~1,010 tokens: past the soft threshold
+    entry = {**ENTRY, **BACKGROUND}
+    first = respond(client, history, key, entry).model_extra["compaction"]
+    assert first["status"] == "running" and 900 < first["prompt_tokens"] <= 1400
+    history += [{"role": "assistant", "content": "Going on."}, *steps[40:], {"role": "user", "content": "Done?"}]
+    later = respond(client, history, key, entry)
+    compaction = later.model_extra["compaction"]
+    assert compaction["status"] == "applied" and compaction["source"] == "background", compaction
+    assert later.output[0].type == "compaction"
+    assert compaction["stall_s"] < compaction["stats"]["latency_s"]  # it waited less than the compaction took
+
+
+def test_a_background_compaction_through_messages_is_applied_later_with_little_stall(service: Any) -> None:
+    anthropic, user = anthropic_client(service.url), session()
+    steps = coding_messages(14)
+    history = [*steps[:36], {"role": "user", "content": "Keep going."}]  # ~1,040 tokens
+    trigger = {"type": "input_tokens", "value": BACKGROUND["compact_threshold"]}
+    edit = {"trigger": trigger, "background_threshold": 900, "apply_background": "threshold"}
+    first = ask(anthropic, history, user, **edit)
+    assert first.model_extra["compaction"]["status"] == "running" and first.stop_reason != "compaction"
+    history += [{"role": "assistant", "content": "Going on."}, *steps[36:], {"role": "user", "content": "Done?"}]
+    later = ask(anthropic, history, user, **edit)
+    compaction = later.model_extra["compaction"]
+    assert compaction["status"] == "applied" and compaction["source"] == "background", compaction
+    assert later.content[0].type == "compaction" and later.usage.iterations[0].type == "compaction"
+    assert compaction["stall_s"] < compaction["stats"]["latency_s"]
 
 
 def test_count_tokens_is_the_prompt_the_model_reads(service: Any) -> None:

@@ -74,7 +74,8 @@ async def test_a_session_keeps_the_api_format_it_began_with(tokenizer: HFChatTok
     with pytest.raises(InvalidInput) as caught:
         await sessions.turn(chat.model_copy(update={"wire": "messages"}), tokenizer)
     assert caught.value.field == WIRE_FIELD and "'s1' has chat turns; a messages turn" in caught.value.message
-    assert await sessions.turn(chat.model_copy(update={"session_id": None, "wire": "responses"}), tokenizer)
+    anonymous = chat.model_copy(update={"session_id": None, "wire": "responses"})
+    assert (await sessions.turn(anonymous, tokenizer)).status == "none"  # no session, nothing to keep apart
     other = chat.model_copy(update={"session_id": "s2", "wire": "responses"})
     assert (await sessions.turn(other, tokenizer)).status == "none"  # s1 is forgotten past max_sessions
     assert (await sessions.turn(chat.model_copy(update={"wire": "messages"}), tokenizer)).status == "none"

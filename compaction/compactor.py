@@ -29,6 +29,7 @@ from compaction.history import (
     render_history,
     template_view,
 )
+from compaction.instructions import caller_instructions
 from compaction.layouts import ChunkPrompt, lay_out
 from compaction.options import CompactionOptions
 from compaction.partition import Chunk, partition
@@ -267,13 +268,14 @@ class Compactor:
         return self._chunk_stats(plan, k, attempts, kept, time.perf_counter() - began), kept.text
 
     def _source(self, plan: CompactionPlan, k: int) -> Source:
-        """What chunk k's summary may state: the chunk, the history before it, and the caller's instructions.
+        """What chunk k's summary may state: the chunk, the history before it, and the caller's instructions
+        (chunk_instructions and instructions).
 
         Our own instruction text (part numbers, the word budget) is not a source: a summary that
         states "24" because the tail said "at most 24 words" has invented it.
         """
         before = segments(plan.history, self.tokenizer, 0, plan.chunks[k].end)
-        extra = (plan.options.chunk_instructions or {}).get(k)
+        extra = caller_instructions(plan.options, k)
         return Source(*(s.text for s in before), *([extra] if extra else []))
 
     def _extractive_text(self, plan: CompactionPlan, chunk: Chunk) -> str:

@@ -6,7 +6,7 @@ prefix reuse from the first token. The tail names the target, the variant and th
 
 from __future__ import annotations
 
-from compaction.options import Layout, Variant
+from compaction.options import CompactionOptions, Layout, Variant
 
 _VARIANTS: dict[Variant, str] = {
     "concise": "Summarise {target} in a few short sentences.",
@@ -47,6 +47,12 @@ def target_phrase(layout: Layout | None, index: int, opening: str) -> str:
     if layout in ("paper", "shared_full"):
         return "the text between <target> and </target> above. The rest is context only; do not summarise it"
     return "the conversation excerpt above"
+
+
+def caller_instructions(options: CompactionOptions, index: int) -> str | None:
+    """The caller's own instructions for chunk `index`: its chunk_instructions entry, then `instructions`."""
+    parts = [(options.chunk_instructions or {}).get(index), options.instructions]
+    return " ".join(p.strip() for p in parts if p and p.strip()) or None
 
 
 def words_for(max_tokens: int) -> int:

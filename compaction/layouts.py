@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from compaction.history import ChatTokenizer, RenderedHistory
-from compaction.instructions import instruction_text, target_phrase
+from compaction.instructions import caller_instructions, instruction_text, target_phrase
 from compaction.options import CompactionOptions, Layout
 from compaction.partition import Chunk
 from compaction.windows import Window, plan_windows, windowed_floor
@@ -152,7 +152,7 @@ def _tail(
         k,
         opening_words(tokenizer, ids[chunk.start : chunk.end]),
     )
-    extra = (options.chunk_instructions or {}).get(k)
+    extra = caller_instructions(options, k)
     text = instruction_text(options.variant, target, options.max_chunk_summary_tokens, extra, strict)
     return tail_ids(tokenizer, last_history_token in borders, text)
 

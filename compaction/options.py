@@ -85,6 +85,13 @@ class CompactionOptions(BaseModel):
     chunk_instructions: dict[int, str] | None = Field(
         None, description="Extra instructions for particular chunks, keyed by 0-based chunk index."
     )
+    instructions: str | None = Field(
+        None,
+        min_length=1,
+        max_length=8192,
+        description="Extra instructions for every summary, at the end of each chunk prompt's tail (after the "
+        "chunk's own chunk_instructions). Like those, they count as a source of the summary's facts.",
+    )
     temperature: float = Field(0.0, ge=0.0, le=2.0, description="Sampling temperature of the summaries.")
     retry_bad_summaries: bool = Field(
         True, description="Retry an empty, runaway or ungrounded chunk summary once with a stricter tail."

@@ -1,8 +1,11 @@
 """The HTTP ingress: ray.serve.llm's OpenAI endpoints plus `POST /v1/compact` and `GET /healthz`.
 
 One FastAPI app (ray.serve.llm's, with its middleware) serves both, so an agent's turns and its
-compactions enter through the same door. Errors leave through one table (`ERRORS`), as OpenAI-style
-bodies `{"error": {"message", "type", "param", "code"}}` naming the offending field:
+compactions enter through the same door. The other wire formats translate to and from the same chat
+path (`serving.wire`): `POST /v1/responses` and `/v1/responses/compact` (OpenAI Responses),
+`POST /v1/messages` and `/v1/messages/count_tokens` (Anthropic Messages). Errors leave through one
+table (`ERRORS`), as OpenAI-style bodies `{"error": {"message", "type", "param", "code"}}` naming the
+offending field (Anthropic's shape on its routes, `serving.wire.errors`):
 
     body over max_request_bytes            413      body empty / not UTF-8 / not JSON   400
     Content-Type not application/json      415      missing or wrong bearer key     401
@@ -23,20 +26,22 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import logging
 import os
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, ValidationError
 from ray.exceptions import RayTaskError
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 from ray.serve.llm.ingress import OpenAiIngress, make_fastapi_ingress
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 from starlette.types import Message as AsgiMessage
 
@@ -49,7 +54,7 @@ from compaction.errors import (
     Overloaded,
     UnknownModel,
 )
-from compaction.history import Message
+from compaction.history import Message, parse_messages
 from compaction.options import CompactionOptions
 from compaction.pacing import Priority
 from compaction.tokenizer import HFChatTokenizer
@@ -59,10 +64,16 @@ from serving.coordinator import CompactJob, ServiceResult
 from serving.coordinator_calls import call_coordinator
 from serving.ray_adapter import ChatRequest, openai_app, openai_routes
 from serving.routing import PlacementMode
-from serving.sessions import ChatTurn, TurnCompaction
+from serving.sessions import ChatTurn, TurnCompaction, Wire
+from serving.wire import messages as wire_messages
+from serving.wire import responses as wire_responses
+from serving.wire.codec import SESSION_HEADER, ChatCall
+from serving.wire.errors import AnthropicErrors
+from serving.wire.messages import CountTokensRequest, MessagesRequest
+from serving.wire.responses import CompactResponsesRequest, ResponsesRequest
+from serving.wire.sse import chat_chunks
 
 logger = logging.getLogger(__name__)
-SESSION_HEADER = "x-session-id"
 OPEN_PATHS = frozenset({"/healthz", "/docs", "/docs/oauth2-redirect", "/openapi.json", "/redoc"})
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 DEADLINE_GRACE_S = 5.0
@@ -266,7 +277,8 @@ class BodyGuard:
 
 
 class BearerAuth:
-    """`Authorization: Bearer <key>` on every path but health and docs, when the key's env var is set."""
+    """`Authorization: Bearer <key>` (or `x-api-key: <key>`, as the anthropic client sends it) on every path but
+    health and docs, when the key's env var is set."""
 
     def __init__(self, app: ASGIApp, key_env: str) -> None:
         self.app = app
@@ -275,8 +287,10 @@ class BearerAuth:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         key = os.environ.get(self.key_env)
         if scope["type"] == "http" and key and scope["path"] not in OPEN_PATHS:
-            scheme, _, token = Headers(scope=scope).get("authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+            headers = Headers(scope=scope)
+            scheme, _, token = headers.get("authorization", "").partition(" ")
+            token = token.strip() if scheme.lower() == "bearer" else headers.get("x-api-key", "")
+            if not token or not hmac.compare_digest(token.encode(), key.encode()):
                 response = error_response(401, "authentication_error", "send Authorization: Bearer <API key>")
                 response.headers["WWW-Authenticate"] = "Bearer"
                 return await response(scope, receive, send)
@@ -304,7 +318,9 @@ class CompactionIngress(OpenAiIngress):
 
     async def compact(self, body: CompactRequest, request: Request) -> ServiceResult:
         """Compact a history; the stats show where each chunk ran, what the cache served and the queue wait."""
-        job = body.job(request.headers.get(SESSION_HEADER))
+        return await self._compact(body.job(request.headers.get(SESSION_HEADER)))
+
+    async def _compact(self, job: CompactJob) -> ServiceResult:
         # The coordinator enforces timeout_s per attempt; this bounds the whole call, retries on another
         # coordinator included (a small grace lets the coordinator's own 504 arrive first).
         try:
@@ -322,16 +338,74 @@ class CompactionIngress(OpenAiIngress):
         """OpenAI chat completions. With `context_management`, compacted server-side (see serving.chat)."""
         if CONTEXT_MANAGEMENT not in (body.model_extra or {}):
             return await super().chat(body, request)
-        raw = await request.json()
-        model = str(raw.get("model"))
+        call = ChatCall(await request.json(), request.headers.get(SESSION_HEADER) or None)
+        forward, outcome = await self._prepare(call, "chat")
+        response = await self._answer(forward, call, request)
+        return with_compaction(response, outcome) if outcome is not None else response
+
+    async def responses(self, body: ResponsesRequest, request: Request) -> Response:
+        """OpenAI Responses over the chat path, compaction items included (see serving.wire.responses)."""
+        call = wire_responses.to_chat(body, request.headers.get(SESSION_HEADER) or None)
+        forward, outcome = await self._prepare(call, "responses")
+        response = await self._answer(forward, call, request)
+        sent = forward["messages"]
+        if isinstance(response, StreamingResponse):
+            return _events(wire_responses.stream(chat_chunks(response.body_iterator), call, outcome, sent))
+        return JSONResponse(wire_responses.response(_json(response), call, outcome, sent))
+
+    async def responses_compact(self, body: CompactResponsesRequest, request: Request) -> dict[str, Any]:
+        """OpenAI's compaction endpoint: the kept user messages and one compaction item standing for the input."""
+        call = wire_responses.compact_call(body, request.headers.get(SESSION_HEADER) or None)
+        self._window(body.model)
+        messages = parse_messages(call.body["messages"], "input")
+        job = CompactJob(model=body.model, messages=messages, options=body.options(), session_id=call.session)
+        return wire_responses.compacted(await self._compact(job), call)
+
+    async def messages(self, body: MessagesRequest, request: Request) -> Response:
+        """Anthropic Messages over the chat path, the compaction beta included (see serving.wire.messages)."""
+        call = wire_messages.to_chat(body, request.headers.get(SESSION_HEADER) or None)
+        forward, outcome = await self._prepare(call, "messages")
+        sent = forward["messages"]
+        if call.pause and outcome is not None and outcome.status == "applied":  # the compaction, no reply
+            if body.stream:
+                return _events(wire_messages.stream(None, call, outcome, sent))
+            return JSONResponse(wire_messages.paused(call, outcome, sent))
+        response = await self._answer(forward, call, request)
+        if isinstance(response, StreamingResponse):
+            return _events(wire_messages.stream(chat_chunks(response.body_iterator), call, outcome, sent))
+        return JSONResponse(wire_messages.message(_json(response), call, outcome, sent))
+
+    async def count_tokens(self, body: CountTokensRequest, request: Request) -> dict[str, int]:
+        """Tokens of the prompt the model would see for this request, by its chat template."""
+        call = wire_messages.to_chat(body, None)
+        self._window(body.model)
+        messages = parse_messages(call.body["messages"])
+        return {"input_tokens": self._counter(body.model).count(messages, None)}
+
+    def _window(self, model: str) -> int:
         if model not in self._windows:
             raise UnknownModel("model", f"unknown model {model!r}; this service hosts {sorted(self._windows)}")
-        session = request.headers.get(SESSION_HEADER) or None
-        counter = self._counter(model)
-        forward, outcome = await prepare_turn(raw, session, counter, self._windows[model], self._turn)
-        response = await super().chat(ChatRequest.model_validate(forward), request)
-        response = with_compaction(response, outcome) if outcome is not None else response
-        return when_sent(response, lambda: counter.replied(session))
+        return self._windows[model]
+
+    async def _prepare(self, call: ChatCall, wire: Wire) -> tuple[dict[str, Any], TurnCompaction | None]:
+        """The chat request to send the model (compacted if the entry asks) and the turn's compaction outcome."""
+        model = str(call.body.get("model"))
+        window = self._window(model)
+        try:
+            return await prepare_turn(call.body, call.session, self._counter(model), window, self._turn, wire)
+        except InvalidInput as exc:  # named as the caller's format names the field
+            raise type(exc)(call.wire_field(exc.field), exc.message) from exc
+
+    async def _answer(self, forward: dict[str, Any], call: ChatCall, request: Request) -> Response:
+        """ray.serve.llm's chat completion of `forward`, on the session's replica."""
+        try:
+            chat = ChatRequest.model_validate(forward)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            raise InvalidInput(field_path(("body", *first["loc"])), f"{first['msg']} (in the chat request)") from exc
+        response = await super().chat(chat, _with_session(request, call.session))
+        counter = self._counter(str(forward.get("model")))
+        return when_sent(response, lambda: counter.replied(call.session))  # the agent is in its tools from then
 
     def _counter(self, model: str) -> PromptCounter:
         if model not in self._counters:
@@ -357,11 +431,34 @@ class CompactionIngress(OpenAiIngress):
         return {"status": "ok", "models": sorted(replicas), "replicas": replicas}
 
 
+def _json(response: Response) -> dict[str, Any]:
+    payload = json.loads(bytes(response.body))
+    return payload if isinstance(payload, dict) else {}
+
+
+def _events(events: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(events, media_type="text/event-stream")
+
+
+def _with_session(request: Request, session: str | None) -> Request:
+    """The request with x-session-id set to `session` (the model call's replica affinity reads that header)."""
+    if not session or request.headers.get(SESSION_HEADER) == session:
+        return request
+    headers = [(k, v) for k, v in request.scope["headers"] if k.lower() != SESSION_HEADER.encode()]
+    return Request({**request.scope, "headers": [*headers, (SESSION_HEADER.encode(), session.encode())]})
+
+
 def compaction_routes() -> dict[str, Any]:
     return {
         "compact": lambda app: app.post(
             "/v1/compact", response_model=ServiceResult, summary="Compact a conversation history"
         ),
+        "responses": lambda app: app.post("/v1/responses", summary="OpenAI Responses, with compaction items"),
+        "responses_compact": lambda app: app.post(
+            "/v1/responses/compact", summary="OpenAI Responses compaction: a compaction item for the input"
+        ),
+        "messages": lambda app: app.post("/v1/messages", summary="Anthropic Messages, with the compaction beta"),
+        "count_tokens": lambda app: app.post("/v1/messages/count_tokens", summary="Anthropic Messages token count"),
         "healthz": lambda app: app.get("/healthz", summary="Liveness of the ingress and the coordinator"),
     }
 
@@ -380,4 +477,5 @@ def make_ingress(max_request_bytes: int, api_key_env: str) -> type:
         app.add_exception_handler(kind, on_error)
     app.add_middleware(BodyGuard, max_bytes=max_request_bytes)
     app.add_middleware(BearerAuth, key_env=api_key_env)
+    app.add_middleware(AnthropicErrors)
     return make_fastapi_ingress(CompactionIngress, endpoint_map={**openai_routes(), **compaction_routes()}, app=app)

@@ -27,7 +27,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from compaction.errors import InvalidInput
 from compaction.history import ChatTokenizer, Message, parse_messages, template_view
 from compaction.policy import ContextManagement, check_window, parse_context_management, wants_background
-from serving.sessions import ChatTurn, TurnCompaction
+from serving.sessions import ChatTurn, TurnCompaction, Wire
 
 FIELD = "context_management"
 DEFAULT_REPLY_TOKENS = 256  # reply budget assumed when the request sets none (window check only)
@@ -136,8 +136,10 @@ async def prepare_turn(
     counter: PromptCounter,
     window: int,
     ask: CoordinatorCall,
+    wire: Wire = "chat",
 ) -> tuple[dict[str, Any], TurnCompaction | None]:
-    """The request to forward to the model (context_management removed, maybe compacted) and the outcome."""
+    """The request to forward to the model (context_management removed, maybe compacted) and the outcome.
+    `wire`: the API format the turn arrived in (a translated Responses or Messages request is a chat body)."""
     entry = parse_context_management(body.get(FIELD))
     forward = {k: v for k, v in body.items() if k != FIELD}
     if entry is None:
@@ -163,6 +165,7 @@ async def prepare_turn(
         growth=growth,
         idle_s=idle,
         room=window - reply,
+        wire=wire,
     )
     outcome = await ask(turn)
     counter.answered(session, tokens, outcome.compacted_prompt_tokens or tokens)

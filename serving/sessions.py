@@ -44,6 +44,8 @@ from compaction.policy import (
 from serving.coordinator import CompactJob, ServiceResult, ServiceStats
 
 Status = Literal["applied", "running", "none"]
+Wire = Literal["chat", "responses", "messages"]
+WIRE_FIELD = "session"  # the field a wire mismatch names; the ingress says where its session id came from
 # The coordinator's admission entry: (job, urgent) -> result; `urgent` set raises a background job's priority.
 CompactFn = Callable[[CompactJob, asyncio.Event], Coroutine[Any, Any, ServiceResult]]
 # Prefill a prompt on the session's replica at background priority: (model, messages, session) -> tokens.
@@ -64,6 +66,7 @@ class ChatTurn(BaseModel):
         None, description="The session's mean time from a reply to its next turn lately (s); None: not measured."
     )
     room: int = Field(description="The most prompt tokens the model window takes beside the reply budget.")
+    wire: Wire = Field("chat", description="The API format of the turn; a session keeps the format it began with.")
 
 
 class TurnCompaction(BaseModel):
@@ -123,6 +126,7 @@ class SessionCompactions:
         self._warm = warm
         self.max_sessions = max_sessions
         self._sessions: OrderedDict[str, _Running] = OrderedDict()
+        self._wires: OrderedDict[str, Wire] = OrderedDict()  # the format each recent session speaks
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -130,6 +134,7 @@ class SessionCompactions:
     async def turn(self, turn: ChatTurn, tokenizer: ChatTokenizer) -> TurnCompaction:
         """Decide and do this turn's compaction (see compaction.policy). Raises only for the caller's own errors."""
         began = time.perf_counter()
+        self._check_wire(turn)
         digests = message_digests(turn.messages)
         running = self._sessions.get(turn.session_id) if turn.session_id else None
         state: Background = running.state(digests, turn) if running else "absent"
@@ -150,6 +155,21 @@ class SessionCompactions:
             return await self._apply(turn, tokenizer, result, source, began, note)
         except CompactionError as exc:
             return self._unapplied(turn, exc, note)
+
+    def _check_wire(self, turn: ChatTurn) -> None:
+        """A session speaks one API format: a turn of another is refused, never mixed in silently."""
+        if not turn.session_id:
+            return
+        known = self._wires.setdefault(turn.session_id, turn.wire)
+        if known != turn.wire:
+            raise InvalidInput(
+                WIRE_FIELD,
+                f"session {turn.session_id!r} has {known} turns; a {turn.wire} turn cannot join it: "
+                "use another session id for this API",
+            )
+        self._wires.move_to_end(turn.session_id)
+        while len(self._wires) > self.max_sessions:
+            self._wires.popitem(last=False)
 
     def _start(self, turn: ChatTurn, messages: Sequence[Message], digests: Sequence[str]) -> None:
         session = turn.session_id or ""

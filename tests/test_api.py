@@ -191,6 +191,8 @@ def test_the_api_key_guards_everything_but_health(monkeypatch: pytest.MonkeyPatc
     wrong = client.post("/v1/compact", json=GOOD, headers={"authorization": "Bearer nope"})
     assert wrong.status_code == 401 and wrong.headers["www-authenticate"] == "Bearer"
     assert client.post("/v1/compact", json=GOOD, headers={"authorization": "Bearer s3cret"}).status_code == 200
+    assert client.post("/v1/compact", json=GOOD, headers={"x-api-key": "s3cret"}).status_code == 200  # anthropic's
+    assert client.post("/v1/compact", json=GOOD, headers={"x-api-key": "nope"}).status_code == 401
     assert client.get("/healthz").status_code == 200
 
 

@@ -70,7 +70,7 @@ async def test_past_the_threshold_the_forwarded_messages_are_the_compacted_promp
     messages = [*history(10), {"role": "user", "content": "Now fix module_3."}]
     forward, outcome = await prepare_turn(body(messages, compact_threshold=400), "s1", counter, 8192, ask)
     assert outcome is ask.outcome and len(ask.turns) == 1 and ask.turns[0].prompt_tokens > 400
-    assert ask.turns[0].room == 8192 - 32 and ask.turns[0].session_id == "s1"
+    assert ask.turns[0].room == 8192 - 32 and ask.turns[0].session_id == "s1" and ask.turns[0].wire == "chat"
     assert forward["messages"] == [
         {"role": "system", "content": "You are a coding agent."},
         {"role": "user", "content": "Summary: steps 0-9 ran."},

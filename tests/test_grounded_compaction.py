@@ -68,3 +68,16 @@ async def test_a_sequential_summary_falls_back_to_the_extractive_span(tokenizer:
     (chunk,) = result.stats.per_chunk
     assert chunk.status == "extractive_fallback" and chunk.retries == 1
     assert 0 < chunk.summary_tokens <= 64 and not set(salient_tokens(result.summary)) & {"golfbridge", "nsf"}
+
+
+async def test_the_callers_instructions_are_a_source_and_our_tail_text_is_not(tokenizer: HFChatTokenizer) -> None:
+    """A summary may repeat what the caller's instructions say (here "ZX81"), not our own tail's word budget."""
+
+    def says(request: GenerationRequest) -> tuple[str, str]:
+        return "The team used the ZX81 board and at most 24 words.", "stop"
+
+    compactor = Compactor(tokenizer, FakeBackend(script=says), context_window=8192, block_size=16)
+    options = {"chunk_tokens": 128, "max_chunk_summary_tokens": 40, "instructions": "Call the board ZX81."}
+    chunks = (await compactor.compact(history(), options)).stats.per_chunk
+    assert all("zx81" not in c.first_ungrounded for c in chunks)
+    assert chunks[0].first_ungrounded == ["24"]  # later chunks' histories hold a 24 of their own

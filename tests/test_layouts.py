@@ -102,6 +102,17 @@ def test_tail_names_target_and_budget(tokenizer: HFChatTokenizer) -> None:
     assert tokenizer.decode(prompts[0].tail).endswith("assistant\n")
 
 
+def test_instructions_end_every_tail_after_the_chunks_own(tokenizer: HFChatTokenizer) -> None:
+    messages = [{"role": "user", "content": " ".join(WORDS * 12)}]
+    rendered = render_history(parse_messages(messages), tokenizer)
+    chunks = partition(0, len(rendered.token_ids), 64, 16)
+    options = CompactionOptions(chunk_tokens=64, chunk_instructions={1: "Name the city."}, instructions="Keep paths.")
+    prompts = build_prompts(rendered, tokenizer, options, chunks, len(rendered.token_ids))
+    tails = [tokenizer.decode(p.tail) for p in prompts]
+    assert all("Keep paths. Write only the summary." in tail for tail in tails)
+    assert "Name the city. Keep paths." in tails[1]
+
+
 def test_prefill_floor_is_history_once_plus_tails(tokenizer: HFChatTokenizer) -> None:
     messages = [{"role": "user", "content": " ".join(WORDS * 20)}]
     rendered, prompts = prompts_for(tokenizer, messages, "prefix_exact", 64)

@@ -8,12 +8,12 @@ from typing import Any
 import pytest
 
 from compaction.compactor import is_summary
-from compaction.errors import BackendError
+from compaction.errors import BackendError, InvalidInput
 from compaction.history import parse_messages
 from compaction.policy import parse_context_management, prompt_tokens
 from compaction.tokenizer import HFChatTokenizer
 from serving.coordinator import CompactJob, ServiceResult
-from serving.sessions import ChatTurn, SessionCompactions
+from serving.sessions import WIRE_FIELD, ChatTurn, SessionCompactions
 from tests.test_coordinator import MODEL, FakeReplicas, coordinator
 
 SYSTEM = {"role": "system", "content": "You are a travel agent."}
@@ -64,6 +64,22 @@ async def test_below_the_threshold_nothing_happens(tokenizer: HFChatTokenizer) -
     compact = Counting(tokenizer, FakeReplicas())
     outcome = await SessionCompactions(compact).turn(turn(tokenizer, [SYSTEM, *conversation(0, 5)]), tokenizer)
     assert outcome.status == "none" and outcome.messages is None and not compact.calls
+
+
+async def test_a_session_keeps_the_api_format_it_began_with(tokenizer: HFChatTokenizer) -> None:
+    compact = Counting(tokenizer, FakeReplicas())
+    sessions = SessionCompactions(compact, max_sessions=1)
+    chat = turn(tokenizer, [SYSTEM, *conversation(0, 5)])
+    assert (await sessions.turn(chat, tokenizer)).status == "none"
+    with pytest.raises(InvalidInput) as caught:
+        await sessions.turn(chat.model_copy(update={"wire": "messages"}), tokenizer)
+    assert caught.value.field == WIRE_FIELD and "'s1' has chat turns; a messages turn" in caught.value.message
+    anonymous = chat.model_copy(update={"session_id": None, "wire": "responses"})
+    assert (await sessions.turn(anonymous, tokenizer)).status == "none"  # no session, nothing to keep apart
+    other = chat.model_copy(update={"session_id": "s2", "wire": "responses"})
+    assert (await sessions.turn(other, tokenizer)).status == "none"  # s1 is forgotten past max_sessions
+    assert (await sessions.turn(chat.model_copy(update={"wire": "messages"}), tokenizer)).status == "none"
+    assert not compact.calls
 
 
 async def test_past_the_threshold_a_blocking_compaction_keeps_the_current_turn(tokenizer: HFChatTokenizer) -> None:

@@ -1,0 +1,114 @@
+"""The compaction item of the Responses API and block of the Messages API: the replacement context, carried.
+
+An item carries the complete context that replaces everything before it, as chat messages: the
+compacted head (summaries) plus the messages the compaction kept verbatim, up to and including the
+request it answered (minus the system message the format's `instructions` / `system` make, which the
+client sends with every request). It is our own encoding, not a secret, and stateless: any replica of
+any service build with this codec decodes it, restarted or not.
+
+    encoding = "pc1." + base64url(zlib(json(messages)))     (no padding)
+
+A malformed or foreign value is refused with InvalidInput naming the field it came in.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import json
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from compaction.errors import InvalidInput
+from compaction.history import Message, parse_messages
+from serving.sessions import WIRE_FIELD, TurnCompaction
+
+SESSION_HEADER = "x-session-id"
+PREFIX = "pc1."
+MAX_DECODED_BYTES = 64 << 20  # a decoded item may not inflate past this (a compressed bomb is refused)
+
+
+@dataclass(frozen=True)
+class ChatCall:
+    """A request of a wire format as a chat completion body, and what its answer needs from the request."""
+
+    body: dict[str, Any]  # the chat completion request, context_management included
+    session: str | None = None  # the session id: the x-session-id header, else the format's own field
+    session_field: str = SESSION_HEADER  # where the session id came from (errors name it)
+    system: bool = False  # the body's first message is the one instructions / system made; items omit it
+    echo: dict[str, Any] = field(default_factory=dict)  # request fields the answer repeats
+    pause: bool = False  # Messages' pause_after_compaction: an applied compaction is answered alone
+    fields: dict[str, str] = field(default_factory=dict)  # chat-side field name prefix -> this format's name
+
+    def wire_field(self, name: str) -> str:
+        """A chat-side field name (of an InvalidInput) as this format names it."""
+        if name == WIRE_FIELD:
+            return self.session_field
+        for chat, ours in self.fields.items():
+            if name == chat or name.startswith((f"{chat}.", f"{chat}[")):
+                return ours + name[len(chat) :]
+        return name
+
+    def carried(self, forwarded: Sequence[dict[str, Any]]) -> list[Message]:
+        """What a compaction item carries: the chat messages the model was sent, minus that system message."""
+        return parse_messages(forwarded[1:] if self.system else forwarded)
+
+
+def session_of(header: str | None, own: Any, own_field: str) -> tuple[str | None, str]:
+    """The session id and its field: the x-session-id header first, then the format's own field."""
+    if header:
+        return header, SESSION_HEADER
+    if own is None or own == "":
+        return None, own_field
+    if not isinstance(own, str) or len(own) > 256 or any(ord(c) < 32 for c in own):
+        raise InvalidInput(own_field, "a session id is a string of at most 256 printable characters")
+    return own, own_field
+
+
+def outcome_json(outcome: TurnCompaction | None) -> dict[str, Any] | None:
+    """The turn's compaction outcome as the answers' extra `compaction` field (status applied|running|none,
+    tokens, stall_s, source, stats); the item or block carries the messages."""
+    return None if outcome is None else outcome.model_dump(mode="json", exclude={"messages", "replaces_through"})
+
+
+def dumps(messages: Sequence[Message]) -> list[dict[str, Any]]:
+    """Chat messages as JSON objects, null fields dropped (so they can be sent back as they are)."""
+    return [m.model_dump(mode="json", exclude_none=True) for m in messages]
+
+
+def encode(messages: Sequence[Message]) -> str:
+    text = json.dumps(dumps(messages), ensure_ascii=False, separators=(",", ":"))
+    return PREFIX + base64.urlsafe_b64encode(zlib.compress(text.encode(), 6)).decode().rstrip("=")
+
+
+def item_id(encoding: str, prefix: str = "cmp_") -> str:
+    """A stable id for an item: the same encoding always gets the same id."""
+    return prefix + hashlib.blake2b(encoding.encode(), digest_size=12).hexdigest()
+
+
+def decode(value: Any, field: str) -> list[Message]:
+    """The messages an item carries. Raises InvalidInput naming `field` for anything this codec did not write."""
+    if not isinstance(value, str) or not value.startswith(PREFIX):
+        raise InvalidInput(
+            field,
+            f"not a compaction this service issued (ours start with {PREFIX!r}); send the item back exactly as "
+            "it came, or drop it and send the messages it replaced",
+        )
+    try:
+        packed = base64.urlsafe_b64decode(value[len(PREFIX) :] + "=" * (-len(value) % 4))
+        inflate = zlib.decompressobj()
+        text = inflate.decompress(packed, MAX_DECODED_BYTES)
+        if inflate.unconsumed_tail or not inflate.eof:
+            raise ValueError("truncated or too large")
+        raw = json.loads(text)
+    except (binascii.Error, zlib.error, ValueError) as exc:
+        raise InvalidInput(field, f"malformed compaction encoding ({exc}); send the item back unchanged") from exc
+    if not isinstance(raw, list) or not raw:
+        raise InvalidInput(field, "the compaction encoding holds no messages; send the item back unchanged")
+    try:
+        return parse_messages(raw, field)
+    except InvalidInput as exc:
+        raise InvalidInput(field, f"the compaction encoding holds an invalid message ({exc})") from exc

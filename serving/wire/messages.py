@@ -1,0 +1,424 @@
+"""The Anthropic Messages API (`POST /v1/messages`, `POST /v1/messages/count_tokens`) over the chat path.
+
+Request -> chat body:
+    system (a string or text blocks)     -> a leading system message (not carried by a compaction block)
+    text blocks -> message text; tool_use -> assistant tool_calls; tool_result -> tool messages (before the
+      user's text); thinking blocks are dropped; compaction: everything before the last one is ignored, and
+      it expands in place to the messages it carries (see below)
+    tools (input_schema -> parameters), tool_choice, max_tokens, stop_sequences -> stop, temperature,
+      top_p, top_k, stream
+    context_management.edits: [{"type": "compact_20260112", "trigger": {"type": "input_tokens", "value": N},
+      "pause_after_compaction": bool, "instructions": str, ...our options}] -> our compaction entry with
+      compact_threshold N (no 50,000-token minimum); `instructions` are appended to our summary prompt
+    session: the x-session-id header, else metadata.user_id
+Chat answer -> Message: a compaction block first when one was applied (`content`: the readable summary,
+`encrypted_content`: the codec's encoding of everything it replaces), then text and tool_use blocks;
+`usage.iterations` holds the compaction's own entry and the message's. With pause_after_compaction an
+applied compaction is answered alone (`stop_reason: "compaction"`); the client sends the block back to
+get the reply. A block without `encrypted_content` (another server's) is read as a summary message.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterable, AsyncIterator, Iterator
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from compaction.compactor import SUMMARY_HEADER
+from compaction.errors import InvalidInput
+from compaction.history import Message
+from serving.sessions import TurnCompaction
+from serving.wire.codec import ChatCall, decode, dumps, encode, outcome_json, session_of
+from serving.wire.sse import event
+
+EDIT_TYPE = "compact_20260112"
+Unused = Any  # a field clients send that changes nothing here; accepted so that unmodified clients work
+STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1, max_length=256)
+    description: str | None = None
+    input_schema: dict[str, Any] = Field(description="JSON schema of the tool's input.")
+    type: Literal["custom"] | None = Field(None, description="Only custom (client) tools are served.")
+    cache_control: Unused = None
+    strict: Unused = None
+
+
+class CountTokensRequest(BaseModel):
+    """`POST /v1/messages/count_tokens`."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str = Field(min_length=1, max_length=256, description="A hosted model (GET /v1/models).")
+    messages: list[Any] = Field(min_length=1, description="User and assistant messages (see docs/wire-formats.md).")
+    system: str | list[Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: dict[str, Any] | None = None
+    context_management: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = Field(None, description='Only {"type": "disabled"}.')
+    cache_control: Unused = None
+
+
+class MessagesRequest(CountTokensRequest):
+    """`POST /v1/messages`: what is served; unknown fields are refused, a few no-ops are accepted."""
+
+    max_tokens: int = Field(ge=1, le=1_048_576)
+    stop_sequences: list[str] | None = Field(None, max_length=16)
+    temperature: float | None = Field(None, ge=0, le=1)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=1)
+    stream: bool = False
+    metadata: dict[str, Any] | None = Field(None, description="metadata.user_id: the session id without x-session-id.")
+    service_tier: Unused = None
+
+
+def to_chat(request: CountTokensRequest, header_session: str | None) -> ChatCall:
+    """The chat completion body of a Messages (or count_tokens) request. Raises InvalidInput naming the field."""
+    if (request.thinking or {}).get("type", "disabled") != "disabled":
+        raise InvalidInput("thinking.type", 'extended thinking is not served; send {"type": "disabled"} or nothing')
+    system = _system(request.system)
+    body: dict[str, Any] = {"model": request.model, "messages": system + chat_messages(request.messages)}
+    if request.tools:
+        body["tools"] = [{"type": "function", "function": _function(t)} for t in request.tools]
+    if request.tool_choice is not None:
+        body["tool_choice"] = _tool_choice(request.tool_choice)
+    entry, pause, at = _compaction_entry(request.context_management)
+    if entry is not None:
+        body["context_management"] = [entry]
+    fields = {"context_management[0].compact_threshold": f"{at}.trigger.value", "context_management[0]": at}
+    if not isinstance(request, MessagesRequest):
+        return ChatCall(body, system=bool(system), fields=fields)
+    options = {
+        "max_tokens": request.max_tokens,
+        "stop": request.stop_sequences,
+        "temperature": request.temperature,
+        "top_p": request.top_p,
+        "top_k": request.top_k,
+        "stream": request.stream or None,
+        "stream_options": {"include_usage": True} if request.stream else None,
+    }
+    body.update({k: v for k, v in options.items() if v is not None})
+    user = (request.metadata or {}).get("user_id")
+    session, field = session_of(header_session, user, "metadata.user_id")
+    echo = {"model": request.model, "stop_sequences": request.stop_sequences or []}
+    return ChatCall(body, session, field, bool(system), echo, pause, fields)
+
+
+def _system(system: str | list[Any] | None) -> list[dict[str, Any]]:
+    if system is None or system == "":
+        return []
+    text = system if isinstance(system, str) else "\n".join(_texts(system, "system"))
+    return [{"role": "system", "content": text}]
+
+
+def _texts(blocks: list[Any], at: str) -> list[str]:
+    out = []
+    for j, block in enumerate(blocks):
+        if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
+            raise InvalidInput(f"{at}[{j}]", "only text blocks are served here")
+        out.append(block["text"])
+    return out
+
+
+def _compaction_entry(config: dict[str, Any] | None) -> tuple[dict[str, Any] | None, bool, str]:
+    """Our compaction entry from the compact edit, whether to pause after it, and the edit's field."""
+    edits = (config or {}).get("edits", [])
+    if config and set(config) - {"edits"}:
+        raise InvalidInput("context_management", "only edits are served")
+    if not isinstance(edits, list):
+        raise InvalidInput("context_management.edits", "must be a list of edits")
+    found: tuple[dict[str, Any] | None, bool, str] = (None, False, "context_management.edits[0]")
+    for i, edit in enumerate(edits):
+        at = f"context_management.edits[{i}]"
+        kind = edit.get("type") if isinstance(edit, dict) else None
+        if kind != EDIT_TYPE:
+            raise InvalidInput(f"{at}.type", f"unsupported edit {kind!r}; the one served is {EDIT_TYPE!r}")
+        if found[0] is not None:
+            raise InvalidInput(at, "only one compaction edit is allowed")
+        assert isinstance(edit, dict)
+        trigger = edit.get("trigger") or {"type": "input_tokens", "value": None}
+        if not isinstance(trigger, dict) or trigger.get("type") != "input_tokens" or "value" not in trigger:
+            raise InvalidInput(f"{at}.trigger", 'send {"type": "input_tokens", "value": N}')
+        if trigger["value"] is None:
+            raise InvalidInput(f"{at}.trigger.value", "send the token count to compact at (no 150,000 default here)")
+        pause = edit.get("pause_after_compaction", False)
+        if not isinstance(pause, bool):
+            raise InvalidInput(f"{at}.pause_after_compaction", "must be true or false")
+        ours = {k: v for k, v in edit.items() if k not in ("type", "trigger", "pause_after_compaction")}
+        found = ({**ours, "type": "compaction", "compact_threshold": trigger["value"]}, pause, at)
+    return found
+
+
+def _last_compaction(messages: list[Any]) -> tuple[int, int]:
+    """(message, block) of the last compaction block that holds something; (0, 0) when there is none."""
+    last = (0, 0)
+    for i, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, dict) else None
+        for j, block in enumerate(content if isinstance(content, list) else []):
+            holds = isinstance(block, dict) and any(block.get(k) is not None for k in ("content", "encrypted_content"))
+            if holds and block.get("type") == "compaction":
+                last = (i, j)
+    return last
+
+
+def chat_messages(messages: list[Any]) -> list[dict[str, Any]]:
+    """Chat messages of `messages`; everything before the last compaction block is ignored."""
+    first, first_block = _last_compaction(messages)
+    out: list[dict[str, Any]] = []
+    for i in range(first, len(messages)):
+        message, at = messages[i], f"messages[{i}]"
+        if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
+            raise InvalidInput(f"{at}.role", "each message is an object with role user or assistant")
+        content = message.get("content")
+        if isinstance(content, str):
+            out.append({"role": message["role"], "content": content})
+            continue
+        if not isinstance(content, list):
+            raise InvalidInput(f"{at}.content", "must be a string or a list of content blocks")
+        start = first_block if i == first else 0
+        out = _turn(out, message["role"], list(enumerate(content))[start:], f"{at}.content")
+    return out
+
+
+def _turn(out: list[dict[str, Any]], role: str, blocks: list[tuple[int, Any]], at: str) -> list[dict[str, Any]]:
+    """One message's blocks appended to `out` (a compaction block replaces all of `out`)."""
+    texts: list[str] = []
+    calls: list[dict[str, Any]] = []
+    results: list[dict[str, Any]] = []
+    for j, block in blocks:
+        where = f"{at}[{j}]"
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "compaction":
+            if block.get("content") is not None or block.get("encrypted_content") is not None:
+                out = _expand(block, where)  # (a block with neither is a failed compaction: a no-op)
+        elif kind == "text" and isinstance(block.get("text"), str):
+            texts.append(block["text"])
+        elif kind == "tool_use" and role == "assistant":
+            calls.append(_call(block, where))
+        elif kind == "tool_result" and role == "user":
+            results.append(_result(block, where))
+        elif kind not in ("thinking", "redacted_thinking"):
+            raise InvalidInput(
+                f"{where}.type",
+                f"unsupported block {kind!r} in a {role} message; send text, tool_use (assistant), tool_result "
+                "(user) or compaction blocks",
+            )
+    out.extend(results)
+    if role == "assistant" and (texts or calls):
+        out.append(
+            {"role": "assistant", "content": "\n".join(texts) or None, **({"tool_calls": calls} if calls else {})}
+        )
+    elif texts:
+        out.append({"role": "user", "content": "\n".join(texts)})
+    return out
+
+
+def _expand(block: dict[str, Any], at: str) -> list[dict[str, Any]]:
+    """The messages a compaction block stands for: its encoding, or (another server's block) its summary."""
+    if block.get("encrypted_content") is not None:
+        return dumps(decode(block["encrypted_content"], f"{at}.encrypted_content"))
+    summary = block.get("content")
+    if not isinstance(summary, str) or not summary.strip():
+        raise InvalidInput(f"{at}.content", "a compaction block's content is its summary text; it may not be empty")
+    text = summary if summary.startswith(SUMMARY_HEADER) else f"{SUMMARY_HEADER}\n{summary}"
+    return [{"role": "user", "content": text}]
+
+
+def _call(block: dict[str, Any], at: str) -> dict[str, Any]:
+    if not isinstance(block.get("id"), str) or not isinstance(block.get("name"), str):
+        raise InvalidInput(at, "a tool_use block has a string id and name")
+    arguments = json.dumps(block.get("input") or {}, ensure_ascii=False)
+    return {"id": block["id"], "type": "function", "function": {"name": block["name"], "arguments": arguments}}
+
+
+def _result(block: dict[str, Any], at: str) -> dict[str, Any]:
+    if not isinstance(block.get("tool_use_id"), str):
+        raise InvalidInput(f"{at}.tool_use_id", "must be a string: the id of the tool_use it answers")
+    content = block.get("content", "")
+    text = content if isinstance(content, str) else "\n".join(_texts(content, f"{at}.content"))
+    if block.get("is_error"):
+        text = f"Error: {text}"
+    return {"role": "tool", "tool_call_id": block["tool_use_id"], "content": text}
+
+
+def _function(tool: Tool) -> dict[str, Any]:
+    function: dict[str, Any] = {"name": tool.name, "parameters": tool.input_schema}
+    if tool.description is not None:
+        function["description"] = tool.description
+    return function
+
+
+def _tool_choice(choice: dict[str, Any]) -> str | dict[str, Any]:
+    kind = choice.get("type")
+    if kind in ("auto", "none"):
+        return str(kind)
+    if kind == "any":
+        return "required"
+    if kind == "tool" and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}
+    raise InvalidInput("tool_choice.type", 'use {"type": "auto"}, {"type": "any"}, {"type": "none"} or a named tool')
+
+
+def compaction_block(outcome: TurnCompaction | None, call: ChatCall, forwarded: list[dict[str, Any]]) -> dict | None:
+    """The compaction block of an applied compaction: the summary as text, everything it replaces encoded."""
+    if outcome is None or outcome.status != "applied" or outcome.messages is None:
+        return None
+    summary = "\n\n".join(m.text() for m in outcome.messages if m.role != "system")
+    return block_of(summary, call.carried(forwarded))
+
+
+def block_of(summary: str, messages: list[Message]) -> dict[str, Any]:
+    return {"type": "compaction", "content": summary, "encrypted_content": encode(messages)}
+
+
+def _iterations(outcome: TurnCompaction | None, message: dict[str, Any] | None) -> list[dict[str, Any]] | None:
+    """usage.iterations: the compaction's own entry (its prompts and summaries), then the message's."""
+    stats = outcome.stats if outcome is not None and outcome.status == "applied" else None
+    if stats is None:
+        return None
+    compaction = {"type": "compaction", "input_tokens": stats.prompt_tokens, "output_tokens": stats.output_tokens,
+                  "cache_read_input_tokens": stats.cached_prompt_tokens, "cache_creation_input_tokens": 0}  # fmt: skip
+    return [compaction, *([{"type": "message", **message}] if message is not None else [])]
+
+
+def usage(chat: dict[str, Any] | None, outcome: TurnCompaction | None, answered: bool = True) -> dict[str, Any]:
+    chat = chat or {}
+    message = {
+        "input_tokens": int(chat.get("prompt_tokens") or 0),
+        "output_tokens": int(chat.get("completion_tokens") or 0),
+        "cache_read_input_tokens": int((chat.get("prompt_tokens_details") or {}).get("cached_tokens") or 0),
+        "cache_creation_input_tokens": 0,
+    }
+    iterations = _iterations(outcome, message if answered else None)
+    return {**message, **({"iterations": iterations} if iterations else {})}
+
+
+def stop_reason(choice: dict[str, Any], call: ChatCall) -> tuple[str, str | None]:
+    """The Messages stop_reason (and stop_sequence) of a chat choice."""
+    matched = choice.get("stop_reason")
+    if isinstance(matched, str) and matched in call.echo.get("stop_sequences", []):
+        return "stop_sequence", matched
+    return STOP_REASONS.get(choice.get("finish_reason") or "stop", "end_turn"), None
+
+
+def _envelope(call: ChatCall, content: list[dict[str, Any]], reason: str | None, stop: str | None) -> dict[str, Any]:
+    return {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "model": call.echo["model"],
+            "content": content, "stop_reason": reason, "stop_sequence": stop}  # fmt: skip
+
+
+def paused(call: ChatCall, outcome: TurnCompaction, forwarded: list[dict[str, Any]]) -> dict[str, Any]:
+    """pause_after_compaction: the compaction block alone, no reply generated."""
+    block = compaction_block(outcome, call, forwarded)
+    assert block is not None
+    answer = {**_envelope(call, [block], "compaction", None), "usage": usage(None, outcome, answered=False)}
+    return {**answer, "compaction": outcome_json(outcome)}
+
+
+def message(
+    completion: dict[str, Any], call: ChatCall, outcome: TurnCompaction | None, forwarded: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """A chat completion as a Message."""
+    choice = (completion.get("choices") or [{}])[0]
+    chat = choice.get("message") or {}
+    block = compaction_block(outcome, call, forwarded)
+    content = [block] if block else []
+    if chat.get("content"):
+        content.append({"type": "text", "text": chat["content"]})
+    content += [_tool_use(c.get("id"), c.get("function") or {}) for c in chat.get("tool_calls") or []]
+    reason, stop = stop_reason(choice, call)
+    answer = {**_envelope(call, content, reason, stop), "usage": usage(completion.get("usage"), outcome)}
+    return {**answer, "compaction": outcome_json(outcome)}
+
+
+def _tool_use(call_id: str | None, function: dict[str, Any]) -> dict[str, Any]:
+    try:
+        arguments = json.loads(function.get("arguments") or "{}")
+    except json.JSONDecodeError:
+        arguments = {"arguments": function.get("arguments")}
+    arguments = arguments if isinstance(arguments, dict) else {"value": arguments}
+    return {"type": "tool_use", "id": call_id or f"toolu_{uuid.uuid4().hex[:24]}", "name": function.get("name", ""),
+            "input": arguments}  # fmt: skip
+
+
+class _Stream:
+    """The Messages events of one streamed answer: one content block open at a time."""
+
+    def __init__(self) -> None:
+        self.index = -1  # the open block's index; -1 before the first
+        self.key: str | int | None = None  # "text", or the chat tool call index the open block streams
+
+    def block(self, key: str | int | None, start: dict[str, Any]) -> Iterator[str]:
+        yield from self.close()
+        self.index, self.key = self.index + 1, key
+        yield event("content_block_start", {"type": "content_block_start", "index": self.index, "content_block": start})
+
+    def delta(self, delta: dict[str, Any]) -> str:
+        return event("content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": delta})
+
+    def close(self) -> Iterator[str]:
+        if self.key is not None:
+            yield event("content_block_stop", {"type": "content_block_stop", "index": self.index})
+        self.key = None
+
+
+async def stream(
+    chunks: AsyncIterable[dict[str, Any]] | None,
+    call: ChatCall,
+    outcome: TurnCompaction | None,
+    forwarded: list[dict[str, Any]],
+) -> AsyncIterator[str]:
+    """A chat completion stream as Messages events, the compaction block first (`compaction_delta`).
+    `chunks` None: paused after the compaction (stop_reason "compaction", no reply)."""
+    start = {**_envelope(call, [], None, None), "usage": {"input_tokens": 0, "output_tokens": 0}}
+    yield event("message_start", {"type": "message_start", "message": start})
+    out = _Stream()
+    block = compaction_block(outcome, call, forwarded)
+    if block is not None:
+        for text in out.block("compaction", {"type": "compaction", "content": None, "encrypted_content": None}):
+            yield text
+        yield out.delta({"type": "compaction_delta", **{k: block[k] for k in ("content", "encrypted_content")}})
+    if chunks is None:
+        for text in out.close():
+            yield text
+        delta = {"stop_reason": "compaction", "stop_sequence": None}
+        final = {"delta": delta, "usage": usage(None, outcome, False), "compaction": outcome_json(outcome)}
+        yield event("message_delta", {"type": "message_delta", **final})
+        yield event("message_stop", {"type": "message_stop"})
+        return
+    chat_usage, last = None, dict[str, Any]()
+    async for chunk in chunks:
+        if "error" in chunk:
+            error = chunk["error"] if isinstance(chunk["error"], dict) else {"message": str(chunk["error"])}
+            yield event(
+                "error", {"type": "error", "error": {"type": "api_error", "message": str(error.get("message"))}}
+            )
+            return
+        chat_usage = chunk.get("usage") or chat_usage
+        for choice in chunk.get("choices") or []:
+            last = choice if choice.get("finish_reason") else last
+            for text in _deltas(out, choice.get("delta") or {}):
+                yield text
+    for text in out.close():
+        yield text
+    reason, stop = stop_reason(last, call)
+    delta = {"stop_reason": reason, "stop_sequence": stop}
+    final = {"delta": delta, "usage": usage(chat_usage, outcome), "compaction": outcome_json(outcome)}
+    yield event("message_delta", {"type": "message_delta", **final})
+    yield event("message_stop", {"type": "message_stop"})
+
+
+def _deltas(out: _Stream, delta: dict[str, Any]) -> Iterator[str]:
+    if delta.get("content"):
+        if out.key != "text":
+            yield from out.block("text", {"type": "text", "text": ""})
+        yield out.delta({"type": "text_delta", "text": delta["content"]})
+    for call in delta.get("tool_calls") or []:
+        index, function = call.get("index", 0), call.get("function") or {}
+        if out.key != index:
+            yield from out.block(index, _tool_use(call.get("id"), {"name": function.get("name") or ""}))
+        if function.get("arguments"):
+            yield out.delta({"type": "input_json_delta", "partial_json": function["arguments"]})

@@ -1,0 +1,427 @@
+"""The OpenAI Responses API (`POST /v1/responses`, `POST /v1/responses/compact`) over the chat path.
+
+Request -> chat body:
+    instructions                         -> a leading system message (not carried by a compaction item)
+    input: str                           -> one user message
+    input items: message (input_text / output_text parts; developer -> system), function_call (merged
+      into the assistant message before it), function_call_output (-> tool message), reasoning (ignored),
+      compaction (everything before the last one is ignored; it expands in place to its messages)
+    tools (function tools), tool_choice, max_output_tokens -> max_tokens, temperature, top_p, stream
+    context_management: [{"type": "compaction", "compact_threshold": N, ...our options}] -> the same entry
+    session: the x-session-id header, else prompt_cache_key
+Chat answer -> Response: [compaction item when one was applied, message, function_call...], usage, status;
+streamed as response.created ... response.completed (the compaction item first).
+Responses are not stored: `previous_response_id` is refused (send the input items instead).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterable, AsyncIterator, Iterator
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from compaction.errors import InvalidInput
+from compaction.history import Message
+from compaction.options import CompactionOptions
+from serving.coordinator import ServiceResult
+from serving.sessions import TurnCompaction
+from serving.wire.codec import ChatCall, decode, dumps, encode, item_id, outcome_json, session_of
+from serving.wire.sse import event
+
+TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
+Unused = Any  # a field clients send that changes nothing here; accepted so that unmodified clients work
+
+
+class FunctionTool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"] = Field(description="Only function tools are served.")
+    name: str = Field(min_length=1, max_length=256)
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="JSON schema of the arguments.")
+    strict: bool | None = None
+
+
+class ResponsesRequest(BaseModel):
+    """`POST /v1/responses`: what is served; unknown fields are refused, a few no-ops are accepted."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str = Field(min_length=1, max_length=256, description="A hosted model (GET /v1/models).")
+    input: str | list[Any] = Field(description="A user message, or input items (see docs/wire-formats.md).")
+    instructions: str | None = Field(None, description="A system message before the input, sent on every request.")
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["auto", "none", "required"] | dict[str, Any] | None = None
+    max_output_tokens: int | None = Field(None, ge=1, le=1_048_576)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    stream: bool = False
+    context_management: list[Any] | None = Field(
+        None, description='[{"type": "compaction", "compact_threshold": N, ...compaction options}]'
+    )
+    previous_response_id: str | None = Field(None, description="Refused: responses are not stored.")
+    prompt_cache_key: str | None = Field(None, description="The session id when no x-session-id header is sent.")
+    text: dict[str, Any] | None = Field(None, description='Only {"format": {"type": "text"}}.')
+    store: Unused = None
+    metadata: Unused = None
+    include: Unused = None
+    parallel_tool_calls: Unused = None
+    truncation: Unused = None
+    user: Unused = None
+    safety_identifier: Unused = None
+    service_tier: Unused = None
+    reasoning: Unused = None
+    prompt_cache_retention: Unused = None
+    stream_options: Unused = None
+
+
+class CompactResponsesRequest(CompactionOptions):
+    """`POST /v1/responses/compact`: OpenAI's fields plus every /v1/compact option."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    model: str = Field(min_length=1, max_length=256, description="A hosted model (GET /v1/models).")
+    input: str | list[Any] = Field(description="The conversation to compact, as input items.")
+    instructions: str | None = Field(None, description="The system message the conversation runs under.")
+    prompt_cache_key: str | None = Field(None, description="The session id when no x-session-id header is sent.")
+    keep_current_turn: bool = Field(True, description="The last user message and everything after it stay verbatim.")
+
+    def options(self) -> CompactionOptions:
+        return CompactionOptions.model_validate(self.model_dump(include=set(CompactionOptions.model_fields)))
+
+
+def to_chat(request: ResponsesRequest, header_session: str | None) -> ChatCall:
+    """The chat completion body of a Responses request. Raises InvalidInput naming the field."""
+    if request.previous_response_id is not None:
+        raise InvalidInput(
+            "previous_response_id",
+            "responses are not stored here; send the whole conversation as input items (a compaction item "
+            "stands for everything before it)",
+        )
+    fmt = (request.text or {}).get("format")
+    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
+        raise InvalidInput("text.format", 'only {"type": "text"} is served; structured output is not')
+    system = [{"role": "system", "content": request.instructions}] if request.instructions else []
+    body: dict[str, Any] = {
+        "model": request.model,
+        "messages": system + input_messages(request.input),
+        "stream": request.stream,
+    }
+    options = {
+        "max_tokens": request.max_output_tokens,
+        "temperature": request.temperature,
+        "top_p": request.top_p,
+        "context_management": request.context_management,
+    }
+    body.update({k: v for k, v in options.items() if v is not None})
+    if request.stream:
+        body["stream_options"] = {"include_usage": True}
+    if request.tools:
+        body["tools"] = [{"type": "function", "function": _function(t)} for t in request.tools]
+    if request.tool_choice is not None:
+        body["tool_choice"] = _tool_choice(request.tool_choice)
+    session, field = session_of(header_session, request.prompt_cache_key, "prompt_cache_key")
+    echo = request.model_dump(include={"model", "instructions", "temperature", "top_p", "max_output_tokens"})
+    echo |= {
+        "tools": [t.model_dump(exclude_none=True) for t in request.tools or []],
+        "tool_choice": request.tool_choice or "auto",
+        "prompt_cache_key": request.prompt_cache_key,
+    }
+    return ChatCall(body, session, field, bool(system), echo)
+
+
+def compact_call(request: CompactResponsesRequest, header_session: str | None) -> ChatCall:
+    """The messages of a /v1/responses/compact request, as a ChatCall (its body holds only them)."""
+    system = [{"role": "system", "content": request.instructions}] if request.instructions else []
+    session, field = session_of(header_session, request.prompt_cache_key, "prompt_cache_key")
+    body = {"model": request.model, "messages": system + input_messages(request.input)}
+    return ChatCall(body, session, field, bool(system), {"model": request.model})
+
+
+def input_messages(items: str | list[Any]) -> list[dict[str, Any]]:
+    """Chat messages of `input`; everything before the last compaction item is ignored."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    if not items:
+        raise InvalidInput("input", "send at least one input item")
+    kinds = [item.get("type", "message") if isinstance(item, dict) else None for item in items]
+    start = max((i for i, kind in enumerate(kinds) if kind == "compaction"), default=0)
+    out: list[dict[str, Any]] = []
+    for i in range(start, len(items)):
+        item, kind, at = items[i], kinds[i], f"input[{i}]"
+        if not isinstance(item, dict):
+            raise InvalidInput(at, "an input item is a JSON object")
+        if kind == "compaction":
+            out = dumps(decode(item.get("encrypted_content"), f"{at}.encrypted_content"))
+        elif kind == "message":
+            out.append(_message(item, at))
+        elif kind == "function_call":
+            _append_call(out, item, at)
+        elif kind == "function_call_output":
+            out.append({"role": "tool", "tool_call_id": _text(item, "call_id", at), "content": _output(item, at)})
+        elif kind != "reasoning":
+            raise InvalidInput(
+                f"{at}.type",
+                f"unsupported input item {kind!r}; send message, function_call, function_call_output, compaction "
+                "or reasoning (ignored) items",
+            )
+    return out
+
+
+def _text(item: dict[str, Any], key: str, at: str) -> str:
+    value = item.get(key)
+    if not isinstance(value, str):
+        raise InvalidInput(f"{at}.{key}", "must be a string")
+    return value
+
+
+def _parts_text(parts: Any, at: str) -> str:
+    """The text of a content value: a string, or a list of text parts joined by newlines."""
+    if isinstance(parts, str):
+        return parts
+    if not isinstance(parts, list):
+        raise InvalidInput(at, "must be a string or a list of text parts")
+    texts = []
+    for j, part in enumerate(parts):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "refusal" and isinstance(part.get("refusal"), str):
+            texts.append(part["refusal"])
+        elif kind in TEXT_PARTS and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        else:
+            raise InvalidInput(f"{at}[{j}]", f"unsupported content part {kind!r}; only text parts are served")
+    return "\n".join(texts)
+
+
+def _message(item: dict[str, Any], at: str) -> dict[str, Any]:
+    role = item.get("role")
+    if role not in ("user", "assistant", "system", "developer"):
+        raise InvalidInput(f"{at}.role", f"unknown role {role!r}; use user, assistant, system or developer")
+    content = _parts_text(item.get("content"), f"{at}.content")
+    return {"role": "system" if role == "developer" else role, "content": content}
+
+
+def _append_call(out: list[dict[str, Any]], item: dict[str, Any], at: str) -> None:
+    """A function call joins the assistant message right before it (one chat turn), else starts one."""
+    call = {
+        "id": _text(item, "call_id", at),
+        "type": "function",
+        "function": {"name": _text(item, "name", at), "arguments": _text(item, "arguments", at)},
+    }
+    if out and out[-1]["role"] == "assistant":
+        out[-1] = {**out[-1], "tool_calls": [*out[-1].get("tool_calls", []), call]}
+    else:
+        out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+
+
+def _output(item: dict[str, Any], at: str) -> str:
+    return _parts_text(item.get("output"), f"{at}.output")
+
+
+def _function(tool: FunctionTool) -> dict[str, Any]:
+    function: dict[str, Any] = {"name": tool.name, "parameters": tool.parameters or {"type": "object"}}
+    if tool.description is not None:
+        function["description"] = tool.description
+    return function
+
+
+def _tool_choice(choice: str | dict[str, Any]) -> str | dict[str, Any]:
+    if isinstance(choice, str):
+        return choice
+    if choice.get("type") == "function" and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}
+    raise InvalidInput("tool_choice", 'use "auto", "none", "required" or {"type": "function", "name": ...}')
+
+
+def compaction_item(outcome: TurnCompaction | None, call: ChatCall, forwarded: list[dict[str, Any]]) -> dict | None:
+    """The compaction output item of an applied compaction: the forwarded context, encoded, and a readable copy."""
+    if outcome is None or outcome.status != "applied":
+        return None
+    return item_of(call.carried(forwarded))
+
+
+def item_of(messages: list[Message]) -> dict[str, Any]:
+    encoding = encode(messages)
+    return {"type": "compaction", "id": item_id(encoding), "encrypted_content": encoding, "messages": dumps(messages)}
+
+
+def usage(chat: dict[str, Any] | None) -> dict[str, Any]:
+    chat = chat or {}
+    prompt, completion = int(chat.get("prompt_tokens") or 0), int(chat.get("completion_tokens") or 0)
+    cached = int((chat.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+    return {
+        "input_tokens": prompt,
+        "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
+        "output_tokens": completion,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": prompt + completion,
+    }
+
+
+def _envelope(call: ChatCall, output: list[dict[str, Any]], status: str, **fields: Any) -> dict[str, Any]:
+    return {
+        "id": f"resp_{uuid.uuid4().hex}",
+        "object": "response",
+        "created_at": int(time.time()),
+        "status": status,
+        "output": output,
+        "parallel_tool_calls": True,
+        "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+        "error": None,
+        **call.echo,
+        **fields,
+    }
+
+
+def response(
+    completion: dict[str, Any], call: ChatCall, outcome: TurnCompaction | None, forwarded: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """A chat completion as a Response object."""
+    choice = (completion.get("choices") or [{}])[0]
+    message, finish = choice.get("message") or {}, choice.get("finish_reason")
+    status = "incomplete" if finish == "length" else "completed"
+    item = compaction_item(outcome, call, forwarded)
+    output = [item] if item else []
+    if message.get("content"):
+        output.append(_message_item(f"msg_{uuid.uuid4().hex}", message["content"], status))
+    for tool_call in message.get("tool_calls") or []:
+        function = tool_call.get("function") or {}
+        output.append(_call_item(tool_call.get("id"), function.get("name", ""), function.get("arguments", "")))
+    return _envelope(call, output, status, usage=usage(completion.get("usage")), compaction=outcome_json(outcome))
+
+
+def _message_item(item: str, text: str, status: str) -> dict[str, Any]:
+    part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+    return {"type": "message", "id": item, "role": "assistant", "status": status, "content": [part]}
+
+
+def _call_item(call_id: str | None, name: str, arguments: str, status: str = "completed") -> dict[str, Any]:
+    call = call_id or f"call_{uuid.uuid4().hex[:24]}"
+    item = {"type": "function_call", "id": f"fc_{call}", "call_id": call, "name": name, "arguments": arguments}
+    return {**item, "status": status}
+
+
+def compacted(result: ServiceResult, call: ChatCall) -> dict[str, Any]:
+    """The /v1/responses/compact answer: the user messages kept verbatim, then one item carrying everything
+    (those messages too: a client sends the output back whole, and everything before the item is ignored)."""
+    kept = [
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": m.text()}]}
+        for m in result.messages[result.kept_head + 1 :]
+        if m.role == "user"
+    ]
+    stats = result.stats
+    return {
+        "id": f"resp_{uuid.uuid4().hex}",
+        "object": "response.compaction",
+        "created_at": int(time.time()),
+        "model": call.echo["model"],
+        "output": [*kept, item_of(call.carried(dumps(result.messages)))],
+        "usage": {
+            "input_tokens": stats.prompt_tokens,
+            "input_tokens_details": {"cached_tokens": stats.cached_prompt_tokens, "cache_write_tokens": 0},
+            "output_tokens": stats.output_tokens,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": stats.prompt_tokens + stats.output_tokens,
+        },
+    }
+
+
+class _Stream:
+    """The Responses events of one streamed answer: numbered, one output item open at a time."""
+
+    def __init__(self, call: ChatCall) -> None:
+        self.call = call
+        self.sequence = 0
+        self.output: list[dict[str, Any]] = []
+        self.open: dict[str, Any] | None = None  # the item being streamed
+        self.key: str | int | None = None  # "text", or the chat tool call index it streams
+        self.id = f"resp_{uuid.uuid4().hex}"
+
+    def send(self, kind: str, **data: Any) -> str:
+        self.sequence += 1
+        return event(kind, {"type": kind, "sequence_number": self.sequence - 1, **data})
+
+    def envelope(self, status: str, **fields: Any) -> dict[str, Any]:
+        return {**_envelope(self.call, list(self.output), status, **fields), "id": self.id}
+
+    def whole(self, item: dict[str, Any]) -> Iterator[str]:
+        index = len(self.output)
+        self.output.append(item)
+        yield self.send("response.output_item.added", output_index=index, item=item)
+        yield self.send("response.output_item.done", output_index=index, item=item)
+
+    def text(self, delta: str) -> Iterator[str]:
+        if self.key != "text" or self.open is None:
+            yield from self.close()
+            self.key, self.open = "text", _message_item(f"msg_{uuid.uuid4().hex}", "", "in_progress")
+            added = {**self.open, "content": []}
+            yield self.send("response.output_item.added", output_index=len(self.output), item=added)
+            part = dict(self.open["content"][0])
+            yield self.send("response.content_part.added", **self._at(), content_index=0, part=part)
+        self.open["content"][0]["text"] += delta
+        yield self.send("response.output_text.delta", **self._at(), content_index=0, delta=delta, logprobs=[])
+
+    def tool_call(self, delta: dict[str, Any]) -> Iterator[str]:
+        index, function = delta.get("index", 0), delta.get("function") or {}
+        if self.key != index:
+            yield from self.close()
+            self.key = index
+            self.open = _call_item(delta.get("id"), function.get("name") or "", "", "in_progress")
+            yield self.send("response.output_item.added", output_index=len(self.output), item=dict(self.open))
+        if function.get("arguments") and self.open is not None:
+            self.open["arguments"] += function["arguments"]
+            yield self.send("response.function_call_arguments.delta", **self._at(), delta=function["arguments"])
+
+    def close(self, status: str = "completed") -> Iterator[str]:
+        item, self.open, self.key = self.open, None, None
+        if item is None:
+            return
+        at = {"item_id": item["id"], "output_index": len(self.output)}
+        if item["type"] == "message":
+            part = item["content"][0]
+            yield self.send("response.output_text.done", **at, content_index=0, text=part["text"], logprobs=[])
+            yield self.send("response.content_part.done", **at, content_index=0, part=part)
+        else:
+            yield self.send("response.function_call_arguments.done", **at, arguments=item["arguments"])
+        item["status"] = status
+        self.output.append(item)
+        yield self.send("response.output_item.done", output_index=at["output_index"], item=item)
+
+    def _at(self) -> dict[str, Any]:
+        assert self.open is not None
+        return {"item_id": self.open["id"], "output_index": len(self.output)}
+
+
+async def stream(
+    chunks: AsyncIterable[dict[str, Any]],
+    call: ChatCall,
+    outcome: TurnCompaction | None,
+    forwarded: list[dict[str, Any]],
+) -> AsyncIterator[str]:
+    """A chat completion stream as Responses events, the compaction item first."""
+    out = _Stream(call)
+    yield out.send("response.created", response=out.envelope("in_progress", usage=None))
+    yield out.send("response.in_progress", response=out.envelope("in_progress", usage=None))
+    item = compaction_item(outcome, call, forwarded)
+    for text in out.whole(item) if item else ():
+        yield text
+    chat_usage, finish = None, None
+    async for chunk in chunks:
+        if "error" in chunk:
+            error = chunk["error"] if isinstance(chunk["error"], dict) else {"message": str(chunk["error"])}
+            yield out.send("error", message=str(error.get("message")), code=None, param=None)
+            return
+        chat_usage = chunk.get("usage") or chat_usage
+        for choice in chunk.get("choices") or []:
+            finish = choice.get("finish_reason") or finish
+            delta = choice.get("delta") or {}
+            for text in out.text(delta["content"]) if delta.get("content") else ():
+                yield text
+            for tool_call in delta.get("tool_calls") or []:
+                for text in out.tool_call(tool_call):
+                    yield text
+    status = "incomplete" if finish == "length" else "completed"
+    for text in out.close(status):
+        yield text
+    final = out.envelope(status, usage=usage(chat_usage), compaction=outcome_json(outcome))
+    yield out.send(f"response.{status}", response=final)

@@ -118,13 +118,12 @@ def reply_budget(body: dict[str, Any]) -> int:
     return DEFAULT_REPLY_TOKENS
 
 
-def needs_coordinator(
-    tokens: int, entry: ContextManagement, session: str | None, growth: int = 0, idle_s: float | None = None
-) -> bool:
-    """False when no decision can come of asking: below the hard threshold and not wanting a background run."""
+def needs_coordinator(tokens: int, entry: ContextManagement, session: str | None, growth: int = 0) -> bool:
+    """False when no decision can come of asking: below the hard threshold and not wanting a background run.
+    (Whether the agent leaves idle time for one is the coordinator's call: a run may be under way already.)"""
     if tokens > entry.compact_threshold:
         return True
-    return session is not None and wants_background(tokens, growth, entry, idle_s)
+    return session is not None and wants_background(tokens, growth, entry)
 
 
 CoordinatorCall = Callable[[ChatTurn], Awaitable[TurnCompaction]]
@@ -153,7 +152,7 @@ async def prepare_turn(
     tokens = counter.count(messages, session)
     growth = counter.growth(session, tokens)
     idle = counter.arrived(session)
-    if not needs_coordinator(tokens, entry, session, growth, idle):
+    if not needs_coordinator(tokens, entry, session, growth):
         counter.answered(session, tokens, tokens)
         return forward, TurnCompaction(status="none", prompt_tokens=tokens)
     turn = ChatTurn(

@@ -308,12 +308,14 @@ class CompactionIngress(OpenAiIngress):
         coordinator: DeploymentHandle,
         tokenizer_sources: dict[str, str],
         windows: dict[str, int],
+        aliases: dict[str, str] | None = None,
         lora_paths: dict[str, str] | None = None,
     ) -> None:
         super().__init__(llm_deployments, model_cards, lora_paths=lora_paths)
         self._coordinator = coordinator
         self._tokenizer_sources = tokenizer_sources
         self._windows = windows
+        self._aliases = aliases or {}
         self._counters: dict[str, PromptCounter] = {}
 
     async def compact(self, body: CompactRequest, request: Request) -> ServiceResult:
@@ -345,6 +347,7 @@ class CompactionIngress(OpenAiIngress):
 
     async def responses(self, body: ResponsesRequest, request: Request) -> Response:
         """OpenAI Responses over the chat path, compaction items included (see serving.wire.responses)."""
+        body = body.model_copy(update={"model": self._aliases.get(body.model, body.model)})
         call = wire_responses.to_chat(body, request.headers.get(SESSION_HEADER) or None)
         forward, outcome = await self._prepare(call, "responses")
         response = await self._answer(forward, call, request)
@@ -355,6 +358,7 @@ class CompactionIngress(OpenAiIngress):
 
     async def responses_compact(self, body: CompactResponsesRequest, request: Request) -> dict[str, Any]:
         """OpenAI's compaction endpoint: the kept user messages and one compaction item standing for the input."""
+        body = body.model_copy(update={"model": self._aliases.get(body.model, body.model)})
         call = wire_responses.compact_call(body, request.headers.get(SESSION_HEADER) or None)
         self._window(body.model)
         messages = parse_messages(call.body["messages"], "input")

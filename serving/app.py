@@ -98,6 +98,12 @@ class AppArgs(BaseModel):
     replicas: dict[str, Replicas] = Field(
         default_factory=dict, description="Replica bounds per model name, replacing the catalogue's."
     )
+    model_aliases: dict[str, str] = Field(
+        default_factory=dict,
+        description="Other names /v1/responses and /v1/responses/compact accept for a hosted model, e.g. "
+        '{"gpt-smollm2": "smollm2-135m-instruct"} for clients that want an OpenAI-style name (the OpenAI Agents '
+        "SDK's compaction session takes only gpt-* and o* models).",
+    )
 
     @model_validator(mode="after")
     def _known_cost_models(self) -> AppArgs:
@@ -105,6 +111,9 @@ class AppArgs(BaseModel):
             unknown = sorted(set(named) - set(self.models))
             if unknown:
                 raise ValueError(f"{field} names models that are not hosted: {unknown}")
+        unknown = sorted(name for name in self.model_aliases.values() if name not in self.models)
+        if unknown:
+            raise ValueError(f"model_aliases points at models that are not hosted: {unknown}")
         if len(set(self.models)) != len(self.models):
             raise ValueError(f"models lists a name twice: {self.models}")
         return self
@@ -282,4 +291,5 @@ def build_app(args: dict[str, Any]) -> Application:
         coordinator=coordinator,
         tokenizer_sources={spec.name: spec.resolved_source() for spec in specs},
         windows={spec.name: spec.max_model_len for spec in specs},
+        aliases=dict(opts.model_aliases),
     )

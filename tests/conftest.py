@@ -14,7 +14,7 @@ import pytest
 from compaction.tokenizer import HFChatTokenizer
 from jobs.data.conversations import SHARED_DATA
 from serving.weights import is_ready, model_dir
-from tests.support import SERVICE_LIMITS, SERVICE_MAX_BYTES, SERVICE_REPLICAS, free_port
+from tests.support import SERVICE_ALIASES, SERVICE_LIMITS, SERVICE_MAX_BYTES, SERVICE_REPLICAS, free_port
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -94,7 +94,7 @@ def service(ray_cluster: None) -> Iterator[Any]:
     """
     from serving.local import LocalService
 
-    args = {"max_request_bytes": SERVICE_MAX_BYTES, **SERVICE_LIMITS, **SERVICE_REPLICAS}
+    args = {"max_request_bytes": SERVICE_MAX_BYTES, **SERVICE_LIMITS, **SERVICE_REPLICAS, **SERVICE_ALIASES}
     with LocalService(free_port(), args) as running:
         yield running
 

@@ -21,4 +21,6 @@ def free_port() -> int:
 # small, so a burst of cheap compactions shows the queue and the 429s.
 SERVICE_LIMITS = {"max_concurrent_compactions": 4, "max_queued_compactions": 8}
 # Two model replicas (a core each): failover, affinity and placement need more than one.
+SERVED_ALIAS = "gpt-smollm2"  # an OpenAI-style name the Responses routes accept (the Agents SDK wants one)
+SERVICE_ALIASES = {"model_aliases": {SERVED_ALIAS: SERVED_MODEL}}
 SERVICE_REPLICAS = {"replicas": {SERVED_MODEL: {"min": 2, "max": 2, "initial": 2}}}

@@ -1,4 +1,4 @@
-"""schemathesis against the live app's /openapi.json: no generated request gets a 5xx; errors have our shape.
+"""schemathesis against the live app's /openapi.json: no generated request gets a 5xx; errors have the route's shape.
 
 Every generated request runs for real (compactions on the CPU model), so each is kept cheap: output
 budgets are capped at a few tokens and no deadline is sent (a 504 the client asked for is not a
@@ -23,15 +23,19 @@ from serving.local import LocalService
 pytestmark = [pytest.mark.ray, pytest.mark.engine]
 
 FUZZ_EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "5"))
-OPERATIONS = r"^/(v1/compact|healthz|v1/models|v1/chat/completions|v1/completions)$"
+OPERATIONS = (
+    r"^/(v1/compact|healthz|v1/models|v1/chat/completions|v1/completions|v1/responses|v1/messages"
+    r"|v1/messages/count_tokens)$"
+)
 # Output-length fields of the operations, capped so a generated request costs a few decode steps.
-CAPS = {"max_chunk_summary_tokens": 8, "max_tokens": 4, "max_completion_tokens": 4, "n": 1, "best_of": 1}
+CAPS = {"max_chunk_summary_tokens": 8, "max_tokens": 4, "max_completion_tokens": 4, "max_output_tokens": 4, "n": 1,
+        "best_of": 1}  # fmt: skip
 
 
 # Set when absent: without them the engine decodes up to the whole window (minutes on the CPU), and
 # the work would outlive the test.
 DEFAULTS = {"/v1/compact": {"max_chunk_summary_tokens": 8}, "/v1/chat/completions": {"max_tokens": 4},
-            "/v1/completions": {"max_tokens": 4}}  # fmt: skip
+            "/v1/completions": {"max_tokens": 4}, "/v1/responses": {"max_output_tokens": 4}}  # fmt: skip
 
 
 def cheapen(path: str, body: Any) -> None:
@@ -71,7 +75,10 @@ def fuzz(url: str, examples: int) -> Counter[int]:
                 assert response.status_code < 500, where
                 if response.status_code >= 400:
                     error = response.json()["error"]
-                    assert {"message", "type", "param", "code"} <= set(error) and error["message"], where
+                    anthropic = case.path.startswith("/v1/messages")  # Anthropic's shape there, OpenAI's elsewhere
+                    fields = {"message", "type"} if anthropic else {"message", "type", "param", "code"}
+                    assert fields <= set(error) and error["message"], where
+                    assert response.json().get("type") == "error" or not anthropic, where
 
             try:
                 one()

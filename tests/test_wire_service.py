@@ -4,13 +4,14 @@ errors in each format's shape. Histories stay near 1.2k tokens and replies at a 
 
 from __future__ import annotations
 
+import time
 import uuid
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.support import SERVED_MODEL
+from tests.support import SERVED_ALIAS, SERVED_MODEL
 from tests.test_wire_messages import coding_messages
 from tests.test_wire_responses import coding_items
 
@@ -134,38 +135,49 @@ def test_a_streamed_messages_turn_pauses_after_compaction_and_the_resend_is_answ
     assert answered.content[0].text.strip()
 
 
-BACKGROUND = {"compact_threshold": 1400, "background_threshold": 900, "apply_background": "threshold"}
+BACKGROUND = {"compact_threshold": 1400, "background_threshold": 900}
 
 
-def test_a_background_compaction_through_responses_is_applied_later_with_little_stall(service: Any) -> None:
+def applied_later(send: Any, outcome: Any) -> Any:
+    """The agent's turns, 2 s of tool time apart, until one applies the background run (at most 5 minutes)."""
+    deadline = time.monotonic() + 300
+    while True:
+        time.sleep(2)
+        reply = send()
+        if outcome(reply)["status"] == "applied" or time.monotonic() > deadline:
+            return reply
+
+
+def test_a_background_compaction_through_responses_costs_a_turn_a_tenth_of_a_blocking_one(service: Any) -> None:
     client, key = openai_client(service.url), session()
-    steps = coding_items(16)
-    history = [*steps[:40], {"role": "user", "content": "Keep going."}]  # ~1,010 tokens: past the soft threshold
+    history = [*coding_items(16)[:40], {"role": "user", "content": "Keep going."}]  # ~1,010 tokens: past 900
     entry = {**ENTRY, **BACKGROUND}
     first = respond(client, history, key, entry).model_extra["compaction"]
     assert first["status"] == "running" and 900 < first["prompt_tokens"] <= 1400
-    history += [{"role": "assistant", "content": "Going on."}, *steps[40:], {"role": "user", "content": "Done?"}]
-    later = respond(client, history, key, entry)
+    later = applied_later(lambda: respond(client, history, key, entry), lambda r: r.model_extra["compaction"])
     compaction = later.model_extra["compaction"]
     assert compaction["status"] == "applied" and compaction["source"] == "background", compaction
-    assert later.output[0].type == "compaction"
-    assert compaction["stall_s"] < compaction["stats"]["latency_s"]  # it waited less than the compaction took
+    assert later.output[0].type == "compaction" and compaction["stats"]["priority"] == "background"
+    blocking = respond(client, history, session(), {**ENTRY, "compact_threshold": 900}).model_extra["compaction"]
+    assert blocking["status"] == "applied" and blocking["source"] == "blocking", blocking
+    assert compaction["stall_s"] <= 0.1 * blocking["stall_s"], (compaction["stall_s"], blocking["stall_s"])
 
 
-def test_a_background_compaction_through_messages_is_applied_later_with_little_stall(service: Any) -> None:
+def test_a_background_compaction_through_messages_costs_a_turn_a_tenth_of_a_blocking_one(service: Any) -> None:
     anthropic, user = anthropic_client(service.url), session()
-    steps = coding_messages(14)
-    history = [*steps[:36], {"role": "user", "content": "Keep going."}]  # ~1,040 tokens
+    history = [*coding_messages(14)[:36], {"role": "user", "content": "Keep going."}]  # ~1,040 tokens
     trigger = {"type": "input_tokens", "value": BACKGROUND["compact_threshold"]}
-    edit = {"trigger": trigger, "background_threshold": 900, "apply_background": "threshold"}
+    edit = {"trigger": trigger, "background_threshold": BACKGROUND["background_threshold"]}
     first = ask(anthropic, history, user, **edit)
     assert first.model_extra["compaction"]["status"] == "running" and first.stop_reason != "compaction"
-    history += [{"role": "assistant", "content": "Going on."}, *steps[36:], {"role": "user", "content": "Done?"}]
-    later = ask(anthropic, history, user, **edit)
+    later = applied_later(lambda: ask(anthropic, history, user, **edit), lambda r: r.model_extra["compaction"])
     compaction = later.model_extra["compaction"]
     assert compaction["status"] == "applied" and compaction["source"] == "background", compaction
     assert later.content[0].type == "compaction" and later.usage.iterations[0].type == "compaction"
-    assert compaction["stall_s"] < compaction["stats"]["latency_s"]
+    now = {"type": "input_tokens", "value": BACKGROUND["background_threshold"]}
+    blocking = ask(anthropic, history, session(), trigger=now).model_extra["compaction"]
+    assert blocking["status"] == "applied" and blocking["source"] == "blocking", blocking
+    assert compaction["stall_s"] <= 0.1 * blocking["stall_s"], (compaction["stall_s"], blocking["stall_s"])
 
 
 def test_count_tokens_is_the_prompt_the_model_reads(service: Any) -> None:
@@ -222,3 +234,39 @@ def test_the_sdks_raise_their_own_errors(service: Any) -> None:
     with pytest.raises(anthropic.APIStatusError) as caught:
         anthropic_client(service.url).messages.create(model="gpt-9", max_tokens=4, messages=[QUESTION])
     assert caught.value.status_code == 404 and caught.value.body["error"]["type"] == "not_found_error"
+
+
+def test_the_openai_agents_sdks_compaction_session_compacts_through_the_service(service: Any) -> None:
+    """The Agents SDK, unmodified: an agent on /v1/responses whose session calls /v1/responses/compact itself
+    once four model items have piled up, and goes on from the compaction item."""
+    import asyncio
+
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, SQLiteSession, set_tracing_disabled
+    from agents.memory import OpenAIResponsesCompactionSession
+    from openai import AsyncOpenAI
+
+    set_tracing_disabled(True)  # no trace export to api.openai.com
+    steps = [f"Step {i}: " + " ".join(f"module_{i}.py line {n} splits on commas." for n in range(30)) for i in range(5)]
+
+    async def run() -> tuple[list[Any], list[str]]:
+        client = AsyncOpenAI(base_url=f"{service.url}/v1", api_key="unused-without-COMPACTION_API_KEY", max_retries=0)
+        settings = ModelSettings(max_tokens=64, temperature=0, store=False)  # a reply that stops by itself
+        model = OpenAIResponsesModel(model=SERVED_ALIAS, openai_client=client)
+        agent = Agent(name="coder", instructions="Reply with the single word OK.", model=model, model_settings=settings)
+        key = session()
+        compacting = OpenAIResponsesCompactionSession(
+            key,
+            SQLiteSession(key),
+            client=client,
+            model=SERVED_ALIAS,
+            compaction_mode="input",
+            should_trigger_compaction=lambda context: len(context["compaction_candidate_items"]) >= 4,
+        )
+        answers = [str((await Runner.run(agent, step, session=compacting)).final_output) for step in steps]
+        return await compacting.get_items(), answers
+
+    items, answers = asyncio.run(run())
+    assert all(a.strip() for a in answers)
+    kinds = [item.get("type") for item in items if isinstance(item, dict)]
+    assert "compaction" in kinds, kinds  # the session's history now starts from our compaction item
+    assert len(items) < 2 * len(steps)  # shorter than the ten items the five turns left

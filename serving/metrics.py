@@ -5,7 +5,7 @@ its own tags (`WorkerId`, `NodeAddress`, ...) besides ours; sum over them for se
 
     curl -s http://127.0.0.1:<metrics port>/metrics | grep '^ray_compaction_'
 
-`SPECS` is the list (the README's table and cluster/grafana-compaction.json follow it). The
+`SPECS` is the list (the table in docs/service.md and cluster/grafana-compaction.json follow it). The
 coordinator records through `RayMetrics` (a `Sink`), chunk summaries reused from the cache
 included; the chat path records the agent's stall with `record_stall`. Metric objects are created
 on first use in each process, since Ray metrics belong to the worker that records them. Importing

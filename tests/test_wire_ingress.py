@@ -26,6 +26,8 @@ from tests.test_wire_messages import SYSTEM, coding_messages, edit
 from tests.test_wire_responses import ENTRY, INSTRUCTIONS, coding_items
 from tests.wire_fakes import WINDOW, ChatPath, chat_stream, completion
 
+ALIAS = "gpt-fake"  # an OpenAI-style name for MODEL (model_aliases)
+
 
 class Ingress(CompactionIngress):
     """The ingress's own handlers over fakes: no Ray, no engine."""
@@ -34,6 +36,7 @@ class Ingress(CompactionIngress):
         self.path = ChatPath(tokenizer)
         self.tokenizer = tokenizer
         self._windows = {MODEL: WINDOW}
+        self._aliases = {ALIAS: MODEL}
         self._counters = {MODEL: self.path.counter}
         self.turns: list[ChatTurn] = []
 
@@ -161,7 +164,7 @@ async def test_compact_and_count_tokens(tokenizer: HFChatTokenizer, model: Model
     items = [*coding_items(10), {"role": "user", "content": "Which module has the bug?"}]
     body = CompactResponsesRequest.model_validate(
         {
-            "model": MODEL,
+            "model": ALIAS,  # the Responses routes take an alias for a hosted model
             "input": items,
             "instructions": INSTRUCTIONS,
             "chunk_tokens": 256,

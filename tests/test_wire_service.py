@@ -158,7 +158,8 @@ def test_a_background_compaction_through_responses_costs_a_turn_a_tenth_of_a_blo
     compaction = later.model_extra["compaction"]
     assert compaction["status"] == "applied" and compaction["source"] == "background", compaction
     assert later.output[0].type == "compaction" and compaction["stats"]["priority"] == "background"
-    blocking = respond(client, history, session(), {**ENTRY, "compact_threshold": 900}).model_extra["compaction"]
+    fresh = {**ENTRY, "compact_threshold": 900, "reuse_chunks": False}  # not from the background run's summaries
+    blocking = respond(client, history, session(), fresh).model_extra["compaction"]
     assert blocking["status"] == "applied" and blocking["source"] == "blocking", blocking
     assert compaction["stall_s"] <= 0.1 * blocking["stall_s"], (compaction["stall_s"], blocking["stall_s"])
     print(f"responses: background stall {compaction['stall_s']:.3f} s, blocking {blocking['stall_s']:.2f} s")
@@ -176,7 +177,7 @@ def test_a_background_compaction_through_messages_costs_a_turn_a_tenth_of_a_bloc
     assert compaction["status"] == "applied" and compaction["source"] == "background", compaction
     assert later.content[0].type == "compaction" and later.usage.iterations[0].type == "compaction"
     now = {"type": "input_tokens", "value": BACKGROUND["background_threshold"]}
-    blocking = ask(anthropic, history, session(), trigger=now).model_extra["compaction"]
+    blocking = ask(anthropic, history, session(), trigger=now, reuse_chunks=False).model_extra["compaction"]
     assert blocking["status"] == "applied" and blocking["source"] == "blocking", blocking
     assert compaction["stall_s"] <= 0.1 * blocking["stall_s"], (compaction["stall_s"], blocking["stall_s"])
     print(f"messages: background stall {compaction['stall_s']:.3f} s, blocking {blocking['stall_s']:.2f} s")

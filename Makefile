@@ -31,7 +31,7 @@ run: model
 	$(BIN)/python -m jobs.demo --port $(PORT) $(if $(CONVERSATION),--conversation $(CONVERSATION)) $(if $(REPLICAS),--replicas $(REPLICAS))
 
 test: model
-	$(BIN)/python -m pytest -q -ra
+	$(BIN)/python -m pytest -q -ra --durations=15
 
 lint: $(STAMP)
 	$(BIN)/ruff check . && $(BIN)/ruff format --check . && $(BIN)/mypy

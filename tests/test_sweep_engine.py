@@ -1,27 +1,22 @@
-"""Sweeps on the real CPU model: the whole CLI through a local Ray with the engine actor, and
-one agent cell over HTTP against an OpenAI-compatible server (the service path)."""
+"""Sweeps on the real CPU model: the whole CLI through a local Ray with the engine actor.
+
+The service path (cells against an OpenAI-compatible server) runs in tests/test_chat_sweep.py and
+tests/test_openai_backend.py."""
 
 from __future__ import annotations
 
-import asyncio
-import functools
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 import yaml
 
-from jobs.experiments.cells import ModelAccess, run_cell
-from jobs.experiments.grid import DataPaths, SweepConfig, expand
 from jobs.experiments.results import ResultStore, integrity
 from jobs.report import write_report
 from jobs.sweep import REPO_ROOT
-from serving.backends import OpenAIBackend
-from serving.models import load_catalogue
 from tests.support import SERVED_MODEL
 
 MODEL = SERVED_MODEL
@@ -72,22 +67,3 @@ def test_cli_runs_cells_on_the_engine_actor_and_skips_them_next_time(tmp_path: P
     sweep_cli()  # nothing left to run: no Ray, no engine
     assert ResultStore(results).read().num_rows == table.num_rows
     assert (write_report(results, tmp_path / "report")).exists()
-
-
-@pytest.mark.engine
-@pytest.mark.ray
-def test_agent_cell_over_http_against_a_service(service: Any, model_path: Path) -> None:
-    url = service.url
-    config = SweepConfig.model_validate({**MC, "backend": {"kind": "service", "base_url": url}})
-    cell = expand(config, load_catalogue()).cells[0]
-    factory = functools.partial(OpenAIBackend, url, MODEL)
-    access = ModelAccess(MODEL, str(model_path), 4096, 128, factory, f"service {url}")
-    table = asyncio.run(run_cell(cell, DataPaths().resolve(Path("/nonexistent")), access, access, cold_start=True))
-    rows = table.to_pylist()
-    assert all(not r["cold_start"] for r in rows)  # a service cannot empty its cache: recorded, not faked
-    turns = [r for r in rows if r["event"] == "turn"]
-    assert any(r["compacted"] for r in turns) and sum(r["step"] == "question" for r in turns) == 3
-    compacted = [r for r in turns if r["compacted"]]
-    assert all(r["chunks"] >= 1 and r["output_tokens"] > 0 for r in compacted)
-    assert any(r["cached_prompt_tokens"] > 0 for r in compacted)  # the server reports prefix-cache hits
-    assert all(r["answer_output_tokens"] > 0 for r in turns if r["step"] == "question")

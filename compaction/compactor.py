@@ -41,6 +41,11 @@ SUMMARY_HEADER = "Summary of the earlier conversation (compacted):"
 RETRY_REPETITION_PENALTY = 1.3
 
 
+def request_id(k: int, strict: bool = False) -> str:
+    """The request id of chunk k's first prompt or of its stricter retry (engine logs, the coordinator's figures)."""
+    return f"chunk-{k}-{'retry' if strict else 'first'}"
+
+
 def is_summary(message: Message) -> bool:
     """True for the summary message a compaction wrote (the client carries it in its history)."""
     return message.role == "user" and message.text().startswith(SUMMARY_HEADER)
@@ -219,7 +224,7 @@ class Compactor:
             for k, task in tasks.items():
                 stats, text = task.result()
                 prompt = plan.prompts[k]
-                self.cache.put(plan.scope, plan.history.token_ids, prompt.chunk, prompt.token_ids, text, stats)
+                self.cache.put(plan.scope, plan.history.token_ids, prompt.chunk, prompt.view, text, stats)
         return self._merge(plan, per_chunk, time.perf_counter() - began)
 
     def reusable(self, plan: CompactionPlan) -> frozenset[int]:
@@ -231,7 +236,7 @@ class Compactor:
         if self.cache is None or not plan.options.reuse_chunks:
             return None
         prompt = plan.prompts[k]
-        hit = self.cache.get(plan.scope, plan.history.token_ids, prompt.chunk, prompt.token_ids)
+        hit = self.cache.get(plan.scope, plan.history.token_ids, prompt.chunk, prompt.view)
         if hit is None:
             return None
         nothing = {"prompt_tokens": 0, "cached_prompt_tokens": 0, "computed_prefill_tokens": 0, "output_tokens": 0}
@@ -253,7 +258,7 @@ class Compactor:
                 min_tokens=opts.max_chunk_summary_tokens if opts.fixed_output_tokens else 0,
                 temperature=opts.temperature,
                 repetition_penalty=RETRY_REPETITION_PENALTY if strict else 1.0,
-                request_id=f"chunk-{k}-{'retry' if strict else 'first'}",
+                request_id=request_id(k, strict),
                 routing_key=route,
             )
             attempts.append(Attempt.of(await backend.generate(request), source))

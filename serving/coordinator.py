@@ -31,7 +31,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from compaction.backend import Backend, Generation, GenerationRequest
-from compaction.compactor import CompactionPlan, Compactor
+from compaction.compactor import CompactionPlan, Compactor, request_id
 from compaction.errors import (
     BackendError,
     CompactionError,
@@ -161,14 +161,14 @@ class Failure(BaseModel):
 
 @dataclass
 class Recorder:
-    """Passes requests through and keeps the first Generation of every distinct prompt."""
+    """Passes requests through and keeps the first Generation of every request id (`compactor.request_id`)."""
 
     inner: Backend
-    first: dict[tuple[int, ...], Generation] = field(default_factory=dict)
+    first: dict[str, Generation] = field(default_factory=dict)
 
     async def generate(self, request: GenerationRequest) -> Generation:
         generation = await self.inner.generate(request)
-        self.first.setdefault(request.prompt_token_ids, generation)
+        self.first.setdefault(request.request_id, generation)
         return generation
 
 
@@ -308,7 +308,7 @@ class Coordinator:
     def _placement_input(plan: CompactionPlan, job: CompactJob, replicas: int, compactor: Compactor) -> PlacementInput:
         history = plan.history
         return PlacementInput(
-            prompts=tuple(PromptShape(p.token_ids, p.raw_prefix) for p in plan.prompts),
+            prompts=tuple(PromptShape(p.view, p.raw_prefix) for p in plan.prompts),  # views: nothing copied
             session=job.session_id or history_key(history.token_ids, compactor.block_size),
             has_session=job.session_id is not None,
             # The agent's last turn sent every message before the newest one.
@@ -322,12 +322,10 @@ class Coordinator:
     def _result(
         plan: CompactionPlan, placement: Placement, result: CompactionResult, recorder: Recorder, session: str | None
     ) -> ServiceResult:
-        history_prompt = sum(p.raw_prefix for p in plan.prompts if p.token_ids in recorder.first)  # prompts sent
-        history_cached = sum(
-            min(recorder.first[p.token_ids].cached_prompt_tokens, p.raw_prefix)
-            for p in plan.prompts
-            if p.token_ids in recorder.first
-        )
+        firsts = ((p, recorder.first.get(request_id(k))) for k, p in enumerate(plan.prompts))
+        sent = [(p, generation) for p, generation in firsts if generation is not None]  # prompts sent
+        history_prompt = sum(p.raw_prefix for p, _ in sent)
+        history_cached = sum(min(generation.cached_prompt_tokens, p.raw_prefix) for p, generation in sent)
         extra: dict[str, Any] = {
             "session_id": session,
             "placement": placement,

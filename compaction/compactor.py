@@ -31,10 +31,12 @@ from compaction.history import (
 )
 from compaction.instructions import caller_instructions
 from compaction.layouts import ChunkPrompt, lay_out
+from compaction.limits import PlanLimits
 from compaction.options import CompactionOptions
 from compaction.partition import Chunk, partition
 from compaction.result import ChunkStats, CompactionResult, CompactionStats
 from compaction.settle import Attempt, Settled, settle, should_retry
+from compaction.sources import ChunkSources
 from compaction.validity import check_history, check_output, turn_start
 
 SUMMARY_HEADER = "Summary of the earlier conversation (compacted):"
@@ -67,6 +69,7 @@ class CompactionPlan:
     strict_prompts: tuple[ChunkPrompt, ...]  # same bodies, stricter tails (retries)
     prefill_floor_tokens: int
     windows: int = 1  # groups of chunk prompts sharing a window start (windowed layout), else 1
+    sources: ChunkSources | None = None  # what each chunk's summary may state, built in one pass over the history
 
 
 class Compactor:
@@ -80,12 +83,14 @@ class Compactor:
         context_window: int,
         block_size: int = 16,
         cache: ChunkCache | None = None,
+        limits: PlanLimits | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.backend = backend
         self.context_window = context_window
         self.block_size = block_size
         self.cache = cache  # chunk summaries reused across compactions; None disables reuse
+        self.limits = limits  # caps on chunks and history tokens (compaction.limits); None: none
 
     def plan(
         self,
@@ -97,6 +102,8 @@ class Compactor:
         parsed = parse_messages(messages)
         check_history(parsed)
         history = render_history(parsed, self.tokenizer)
+        if self.limits is not None:
+            self.limits.check_history(len(history.token_ids))
         system, head, summaries, tail_from = self._kept_ends(history, opts)
         starts = (*history.message_starts, len(history.token_ids))
         span = (starts[head], starts[tail_from])
@@ -105,18 +112,16 @@ class Compactor:
             chunks: tuple[Chunk, ...] = (Chunk(0, *span),)
         else:
             # Summaries summarised again (not carried) form chunks of their own: a second level.
-            fixed = [starts[summaries]] if head < summaries else []
-            if self.cache is not None and opts.strategy == "parallel" and opts.reuse_chunks:
-                fixed += self.cache.borders(history.token_ids, *span, scope)
-            chunks = partition(*span, opts.chunk_tokens, self.block_size, fixed)
+            chunks = self._partition(history, opts, span, [starts[summaries]] if head < summaries else [], scope)
         if opts.chunk_instructions and max(opts.chunk_instructions) >= len(chunks):
             raise InvalidInput(
                 "chunk_instructions",
                 f"names chunk {max(opts.chunk_instructions)} but there are {len(chunks)}",
             )
         carried = starts[head] - starts[system]
+        sources = ChunkSources(history, self.tokenizer, [c.end for c in chunks])
         if opts.strategy == "extractive":
-            return CompactionPlan(opts, history, head, tail_from, carried, scope, span, chunks, (), (), 0)
+            return CompactionPlan(opts, history, head, tail_from, carried, scope, span, chunks, (), (), 0, 1, sources)
         laid = lay_out(history, self.tokenizer, opts, chunks, span[1], self.context_window, self.block_size)
         self._check_window((*laid.prompts, *laid.strict_prompts), laid.options)
         return CompactionPlan(
@@ -132,7 +137,23 @@ class Compactor:
             laid.strict_prompts,
             laid.floor,
             len(laid.windows),
+            sources,
         )
+
+    def _partition(
+        self, history: RenderedHistory, opts: CompactionOptions, span: tuple[int, int], fixed: list[int], scope: str
+    ) -> tuple[Chunk, ...]:
+        """Cut the span; borders of chunks cached before stay borders unless that passes max_chunks."""
+        cached = []
+        if self.cache is not None and opts.strategy == "parallel" and opts.reuse_chunks:
+            cached = self.cache.borders(history.token_ids, *span, scope)
+        chunks = partition(*span, opts.chunk_tokens, self.block_size, fixed + cached)
+        if self.limits is None or len(chunks) <= self.limits.max_chunks:
+            return chunks
+        chunks = partition(*span, opts.chunk_tokens, self.block_size, fixed)
+        cut = lambda size: partition(*span, size, self.block_size, fixed)  # noqa: E731
+        self.limits.check_chunks(chunks, opts.chunk_tokens, cut, span[1] - span[0])
+        return chunks
 
     @staticmethod
     def _kept_ends(history: RenderedHistory, opts: CompactionOptions) -> tuple[int, int, int, int]:
@@ -279,8 +300,10 @@ class Compactor:
         Our own instruction text (part numbers, the word budget) is not a source: a summary that
         states "24" because the tail said "at most 24 words" has invented it.
         """
-        before = segments(plan.history, self.tokenizer, 0, plan.chunks[k].end)
         extra = caller_instructions(plan.options, k)
+        if plan.sources is not None:
+            return plan.sources.source(plan.chunks[k].end, *([extra] if extra else []))
+        before = segments(plan.history, self.tokenizer, 0, plan.chunks[k].end)
         return Source(*(s.text for s in before), *([extra] if extra else []))
 
     def _extractive_text(self, plan: CompactionPlan, chunk: Chunk) -> str:
@@ -291,7 +314,10 @@ class Compactor:
         """Strategy extractive: chunk's most salient lines, no model call."""
         began = time.perf_counter()
         text = self._extractive_text(plan, chunk)
-        source = Source(*(s.text for s in segments(plan.history, self.tokenizer, 0, chunk.end)))
+        if plan.sources is not None:
+            source = plan.sources.source(chunk.end)
+        else:
+            source = Source(*(s.text for s in segments(plan.history, self.tokenizer, 0, chunk.end)))
         kept = Settled(text, "extractive", 0, source.check(text))
         return self._chunk_stats(plan, chunk.index, [], kept, time.perf_counter() - began), text
 

@@ -87,7 +87,7 @@ def measure(tokens: int, chunk: str, traced: bool) -> dict[str, Any]:
 def _limits(chunk: str) -> Any:
     """This code's caps for the GPU-sized model (None on code without caps); lifted for the 16-token rows."""
     try:
-        from compaction.compactor import PlanLimits  # type: ignore[attr-defined]
+        from compaction.limits import PlanLimits
     except ImportError:
         return None
     if chunk == "16":

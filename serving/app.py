@@ -159,7 +159,12 @@ class CoordinatorDeployment:
             tokenizer = HFChatTokenizer.from_path(spec.resolved_source())
             cache = ChunkCache(args.chunk_cache_entries) if args.chunk_cache_entries else None
             compactor = Compactor(
-                tokenizer, backend, context_window=spec.max_model_len, block_size=spec.block_size, cache=cache
+                tokenizer,
+                backend,
+                context_window=spec.max_model_len,
+                block_size=spec.block_size,
+                cache=cache,
+                limits=spec.plan_limits(),
             )
             runtimes[spec.name] = ModelRuntime(
                 compactor,

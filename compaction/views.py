@@ -81,7 +81,7 @@ class TokenView(Sequence[int]):
 
     def then(self, *pieces: Piece) -> TokenView:
         """This view followed by more pieces (it is not copied)."""
-        return TokenView(self.source, pieces, self, self.prefixes)
+        return TokenView(self.source, pieces, self if len(self) else None, self.prefixes)
 
     def _chain(self) -> list[Piece]:
         nodes: list[TokenView] = []

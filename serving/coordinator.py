@@ -191,6 +191,12 @@ class AdmissionConfig:
     timeout_s: float = 600.0  # deadline of a request that names none
 
 
+def _plan(compactor: Compactor, job: CompactJob) -> tuple[CompactionPlan, int]:
+    """The job's plan and how many of its chunks the chunk cache already holds (run in a worker thread)."""
+    plan = compactor.plan(job.messages, job.options)
+    return plan, len(compactor.reusable(plan))
+
+
 class Coordinator:
     """Runs compactions for several models: shared identical runs, admission, deadlines, metrics."""
 
@@ -274,11 +280,13 @@ class Coordinator:
         self, runtime: ModelRuntime, job: CompactJob, urgent: asyncio.Event | None = None
     ) -> ServiceResult:
         compactor = runtime.compactor
-        plan = compactor.plan(job.messages, job.options)  # bad input fails here, before it queues
+        # Off the event loop (other sessions' turns and /healthz go on meanwhile) and inside the deadline;
+        # bad input fails here, before it queues.
+        plan, reusable = await asyncio.to_thread(_plan, compactor, job)
         replicas = max(1, await runtime.replicas())
         gate = self._gates[job.model]
         gate.resize(runtime.batch_sequences * replicas)
-        sequences = len(plan.prompts) - len(compactor.reusable(plan))  # chunks from the cache send no prompt
+        sequences = len(plan.prompts) - reusable  # chunks from the cache send no prompt
         async with gate.admitted(sequences) as waited:
             result = await self._run(runtime, plan, job, replicas, urgent)
         return result.model_copy(update={"stats": result.stats.model_copy(update={"queue_wait_s": round(waited, 4)})})
@@ -288,7 +296,7 @@ class Coordinator:
     ) -> ServiceResult:
         compactor = runtime.compactor
         shape = self._placement_input(plan, job, replicas, compactor)
-        placement = place(shape, job.placement, runtime.cost)
+        placement = await asyncio.to_thread(place, shape, job.placement, runtime.cost)  # compares the prompts
         recorder = Recorder(compactor.backend)
         backend = Escalation(recorder, PRIORITIES[job.priority], urgent)
         result = await compactor.run(plan, routes=placement.routes(), backend=backend)

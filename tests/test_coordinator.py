@@ -170,6 +170,14 @@ async def test_unknown_model_and_bad_options_are_refused(tokenizer: HFChatTokeni
     assert err.value.field == "keep_recent_tokens"
 
 
+async def gate_reaches(coord: Coordinator, state: GateState, within_s: float = 30.0) -> None:
+    """Wait until the model's gate shows `state` (planning runs in worker threads, so it takes a moment)."""
+    deadline = asyncio.get_running_loop().time() + within_s
+    while coord.gate(MODEL).state() != state and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.01)
+    assert coord.gate(MODEL).state() == state
+
+
 async def test_compactions_beyond_the_capacity_queue_and_beyond_the_queue_are_told_to_retry(
     tokenizer: HFChatTokenizer,
 ) -> None:
@@ -178,17 +186,16 @@ async def test_compactions_beyond_the_capacity_queue_and_beyond_the_queue_are_to
     chunks = len(coord.runtime(MODEL).compactor.plan(job(history()).messages, job(history()).options).prompts)
     assert chunks > 8  # more than the capacity of 2 replicas x 4: it runs alone
     first = asyncio.create_task(coord.compact(job(history(), session="a")))
-    await asyncio.sleep(0.05)
+    await gate_reaches(coord, GateState(running=1, running_sequences=chunks, queued=0, capacity=8))
     queued = [asyncio.create_task(coord.compact(job(history(), session=s))) for s in ("b", "c")]
-    await asyncio.sleep(0.05)
-    assert coord.gate(MODEL).state() == GateState(running=1, running_sequences=chunks, queued=2, capacity=8)
+    await gate_reaches(coord, GateState(running=1, running_sequences=chunks, queued=2, capacity=8))
     with pytest.raises(Overloaded, match="max_queued_compactions = 2") as err:
         await coord.compact(job(history(), session="d"))
     assert err.value.retry_after_s >= 1
     gate.set()
     results = [await first, *[await q for q in queued]]
     assert all(r.stats.chunks == chunks for r in results)
-    assert results[0].stats.queue_wait_s < 0.05 < min(r.stats.queue_wait_s for r in results[1:])
+    assert results[0].stats.queue_wait_s < 0.01 < min(r.stats.queue_wait_s for r in results[1:])
     assert [o.outcome for o in sink.outcomes].count("overloaded") == 1
     assert [o.outcome for o in sink.outcomes].count("ok") == 3
     assert max(s.queued for s in sink.states) == 2 and sink.states[-1] == GateState(0, 0, 0, 8)
@@ -199,8 +206,7 @@ async def test_small_compactions_share_the_capacity(tokenizer: HFChatTokenizer) 
     coord = coordinator(tokenizer, FakeReplicas(gate=gate), batch=10)  # 20 sequences over two replicas
     short = history(8)  # one chunk each
     tasks = [asyncio.create_task(coord.compact(job(short, session=str(i), chunk_tokens=4096))) for i in range(25)]
-    await asyncio.sleep(0.05)
-    assert coord.gate(MODEL).state() == GateState(running=20, running_sequences=20, queued=5, capacity=20)
+    await gate_reaches(coord, GateState(running=20, running_sequences=20, queued=5, capacity=20))
     gate.set()
     assert len(await asyncio.gather(*tasks)) == 25
 

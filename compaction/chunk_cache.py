@@ -16,7 +16,8 @@ Prefix digests are carried incrementally (`compaction.views.PrefixDigests`, kept
 histories seen), so the lookups of a compaction hash its history once, not once per chunk border;
 a prompt given as a `TokenView` is digested from its history prefix's state the same way.
 
-Bounded (least recently used entries go first); losing an entry costs one chunk summary. One per
+Bounded in entries and in bytes (`max_bytes`: each entry's summary and stats, as `entry_bytes` counts
+them; least recently used entries go first); losing an entry costs one chunk summary. One per
 model; a lock makes it safe to plan in a worker thread while the event loop stores summaries.
 """
 
@@ -62,13 +63,24 @@ class CachedChunk:
 
 
 _Key = tuple[str, str, int, str]  # (scope, digest of history[:start], end, digest of history[:end])
+ENTRY_OVERHEAD_BYTES = 1024  # key, digests, dict slots and the stats object of one entry, beside its texts
+DEFAULT_MAX_BYTES = 64 * 2**20
+
+
+def entry_bytes(entry: CachedChunk) -> int:
+    """What one entry holds, about: its summary, the texts in its stats, and a fixed overhead."""
+    lists = (getattr(entry.stats, name, None) or () for name in ("first_ungrounded", "ungrounded"))
+    texts = sum(len(t) for texts in lists for t in texts)
+    return ENTRY_OVERHEAD_BYTES + len(entry.text.encode()) + texts
 
 
 class ChunkCache:
     """A bounded map from (options, history prefix, chunk) to the chunk's kept summary."""
 
-    def __init__(self, max_entries: int = 4096, histories: int = 4) -> None:
+    def __init__(self, max_entries: int = 4096, histories: int = 2, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
         self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self.bytes = 0  # entry_bytes summed over the entries
         self._entries: OrderedDict[_Key, CachedChunk] = OrderedDict()
         self._from: dict[tuple[str, str], set[_Key]] = {}  # (scope, digest of history[:start]) -> keys
         self._histories = histories  # prefix digests kept for this many recent histories
@@ -123,11 +135,15 @@ class ChunkCache:
     ) -> None:
         start = self._prefix(ids, chunk.start)
         key = (scope, start, chunk.end, self._prefix(ids, chunk.end))
-        self._entries[key] = CachedChunk(text, stats, digest(prompt))
+        entry = CachedChunk(text, stats, digest(prompt))
+        replaced = self._entries.get(key)
+        self.bytes += entry_bytes(entry) - (entry_bytes(replaced) if replaced is not None else 0)
+        self._entries[key] = entry
         self._entries.move_to_end(key)
         self._from.setdefault((scope, start), set()).add(key)
-        while len(self._entries) > self.max_entries:
-            old, _ = self._entries.popitem(last=False)
+        while self._entries and (len(self._entries) > self.max_entries or self.bytes > self.max_bytes):
+            old, dropped = self._entries.popitem(last=False)
+            self.bytes -= entry_bytes(dropped)
             keys = self._from.get((old[0], old[1]))
             if keys is not None:
                 keys.discard(old)

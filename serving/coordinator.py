@@ -5,7 +5,8 @@ the one entry point every caller uses (the HTTP handler, background tasks): iden
 jobs of a session run once (`serving.admission.SharedRuns`), each caller has its own deadline
 (`timeout_s`), and a run is admitted by the model's `Gate` (bounded running sequences, bounded
 queue, then `Overloaded`). Per compaction it
-plans with `Compactor.plan` (render once, partition, lay out prompts), decides the placement with
+plans with `Compactor.plan` (render once, partition, lay out prompts; in a worker thread, inside the
+deadline, so the event loop keeps serving other sessions and /healthz), decides the placement with
 `serving.routing.place` (cost model: pin to the session's replica or spread contiguous ranges),
 dispatches every chunk prompt at once with `Compactor.run` (one routing key per chunk), and adds
 to the core's stats where the prompts went and how much of the history came from cache.

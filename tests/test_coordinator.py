@@ -194,7 +194,7 @@ async def test_compactions_beyond_the_capacity_queue_and_beyond_the_queue_are_to
     assert err.value.retry_after_s >= 1
     gate.set()
     results = [await first, *[await q for q in queued]]
-    assert all(r.stats.chunks == chunks for r in results)
+    assert all(r.stats.chunks == chunks for r in results), [r.stats.chunks for r in results]
     assert results[0].stats.queue_wait_s < 0.01 < min(r.stats.queue_wait_s for r in results[1:])
     assert [o.outcome for o in sink.outcomes].count("overloaded") == 1
     assert [o.outcome for o in sink.outcomes].count("ok") == 3

@@ -310,3 +310,29 @@ def test_the_queue_gauges_can_be_set_again_while_idle(tokenizer: HFChatTokenizer
     sink = Sink()
     coordinator(tokenizer, FakeReplicas(), sink).refresh_gauges()
     assert [(s.queued, s.running) for s in sink.states] == [(0, 0)]  # an idle coordinator still reports 0
+
+
+async def test_planning_a_large_history_leaves_the_loop_answering_and_the_deadline_covers_it(
+    tokenizer: HFChatTokenizer,
+) -> None:
+    """Planning runs in a worker thread: the loop keeps serving small compactions, and timeout_s fires during it."""
+    coord = coordinator(tokenizer, FakeReplicas())
+    big = job(history(2500), chunk_tokens=1024, timeout_s=0.5)  # about 100k tokens: seconds of planning
+    gaps: list[float] = []
+    loop = asyncio.get_running_loop()
+    began = loop.time()
+    planning = asyncio.create_task(coord.compact(big))
+    small = []
+    while not planning.done():
+        tick = loop.time()
+        await asyncio.sleep(0.01)
+        gaps.append(loop.time() - tick)
+        if len(small) < 3:
+            started = loop.time()
+            await coord.compact(job(history(4), session=f"small-{len(small)}", chunk_tokens=4096))
+            small.append(loop.time() - started)
+    with pytest.raises(DeadlineExceeded):
+        await planning
+    waited = loop.time() - began
+    print(f"deadline after {waited:.2f} s; loop gap max {max(gaps):.3f} s; small compactions {small}")
+    assert waited < 3.0 and max(gaps) < 2.0 and small and max(small) < 3.0

@@ -12,14 +12,20 @@ Two lookups, both keyed by a scope (the options that shape a summary):
 - `get`: the summary of one chunk, only if its prompt is token-for-token the one cached (a
   different layout, window or tail is a miss).
 
-Bounded (least recently used entries go first); losing an entry costs one chunk summary.
-Single-threaded: one per model, used from one event loop.
+Prefix digests are carried incrementally (`compaction.views.PrefixDigests`, kept for the last few
+histories seen), so the lookups of a compaction hash its history once, not once per chunk border;
+a prompt given as a `TokenView` is digested from its history prefix's state the same way.
+
+Bounded in entries and in bytes (`max_bytes`: each entry's summary and stats, as `entry_bytes` counts
+them; least recently used entries go first); losing an entry costs one chunk summary. One per
+model; a lock makes it safe to plan in a worker thread while the event loop stores summaries.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import threading
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -28,6 +34,7 @@ from dataclasses import dataclass
 from compaction.options import CompactionOptions
 from compaction.partition import Chunk
 from compaction.result import ChunkStats
+from compaction.views import PrefixDigests, TokenView
 
 # Options that do not change a chunk's summary once its prompt is fixed.
 _UNSCOPED = frozenset({"keep_recent_tokens", "carry_summary_tokens", "reuse_chunks"})
@@ -35,6 +42,8 @@ _UNSCOPED = frozenset({"keep_recent_tokens", "carry_summary_tokens", "reuse_chun
 
 def digest(token_ids: Sequence[int]) -> str:
     """A short, collision-resistant name for a token sequence."""
+    if isinstance(token_ids, TokenView):
+        return token_ids.digest()
     return hashlib.blake2b(array("I", token_ids).tobytes(), digest_size=16).hexdigest()
 
 
@@ -54,51 +63,87 @@ class CachedChunk:
 
 
 _Key = tuple[str, str, int, str]  # (scope, digest of history[:start], end, digest of history[:end])
+ENTRY_OVERHEAD_BYTES = 1024  # key, digests, dict slots and the stats object of one entry, beside its texts
+DEFAULT_MAX_BYTES = 64 * 2**20
+
+
+def entry_bytes(entry: CachedChunk) -> int:
+    """What one entry holds, about: its summary, the texts in its stats, and a fixed overhead."""
+    lists = (getattr(entry.stats, name, None) or () for name in ("first_ungrounded", "ungrounded"))
+    texts = sum(len(t) for texts in lists for t in texts)
+    return ENTRY_OVERHEAD_BYTES + len(entry.text.encode()) + texts
 
 
 class ChunkCache:
     """A bounded map from (options, history prefix, chunk) to the chunk's kept summary."""
 
-    def __init__(self, max_entries: int = 4096) -> None:
+    def __init__(self, max_entries: int = 4096, histories: int = 2, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
         self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self.bytes = 0  # entry_bytes summed over the entries
         self._entries: OrderedDict[_Key, CachedChunk] = OrderedDict()
         self._from: dict[tuple[str, str], set[_Key]] = {}  # (scope, digest of history[:start]) -> keys
+        self._histories = histories  # prefix digests kept for this many recent histories
+        self._prefixes: OrderedDict[int, PrefixDigests] = OrderedDict()  # id(history) -> its prefix digests
+        self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    def _prefix(self, ids: Sequence[int], end: int) -> str:
+        """digest(ids[:end]), from the nearest prefix of the same history hashed before."""
+        prefixes = self._prefixes.get(id(ids))
+        if prefixes is None or prefixes.ids is not ids:
+            prefixes = self._prefixes[id(ids)] = PrefixDigests(ids)
+            while len(self._prefixes) > self._histories:
+                self._prefixes.popitem(last=False)
+        self._prefixes.move_to_end(id(ids))
+        return prefixes.digest(end)
 
     def borders(self, ids: Sequence[int], start: int, end: int, scope: str) -> list[int]:
         """Ends of the chain of cached chunks that tiles [start, some border <= end) of this history."""
         chain: list[int] = []
         at = start
-        while at < end:
-            head = digest(ids[:at])
-            ends = sorted({k[2] for k in self._from.get((scope, head), ()) if at < k[2] <= end}, reverse=True)
-            found = next((e for e in ends if (scope, head, e, digest(ids[:e])) in self._entries), None)
-            if found is None:
-                break
-            chain.append(found)
-            at = found
+        with self._lock:
+            while at < end:
+                head = self._prefix(ids, at)
+                ends = sorted({k[2] for k in self._from.get((scope, head), ()) if at < k[2] <= end}, reverse=True)
+                found = next((e for e in ends if (scope, head, e, self._prefix(ids, e)) in self._entries), None)
+                if found is None:
+                    break
+                chain.append(found)
+                at = found
         return chain
 
     def get(self, scope: str, ids: Sequence[int], chunk: Chunk, prompt: Sequence[int]) -> CachedChunk | None:
-        key = (scope, digest(ids[: chunk.start]), chunk.end, digest(ids[: chunk.end]))
-        entry = self._entries.get(key)
-        if entry is None or entry.prompt != digest(prompt):
-            return None
-        self._entries.move_to_end(key)
-        return entry
+        with self._lock:
+            key = (scope, self._prefix(ids, chunk.start), chunk.end, self._prefix(ids, chunk.end))
+            entry = self._entries.get(key)
+            if entry is None or entry.prompt != digest(prompt):
+                return None
+            self._entries.move_to_end(key)
+            return entry
 
     def put(
         self, scope: str, ids: Sequence[int], chunk: Chunk, prompt: Sequence[int], text: str, stats: ChunkStats
     ) -> None:
-        start = digest(ids[: chunk.start])
-        key = (scope, start, chunk.end, digest(ids[: chunk.end]))
-        self._entries[key] = CachedChunk(text, stats, digest(prompt))
+        with self._lock:
+            self._put(scope, ids, chunk, prompt, text, stats)
+
+    def _put(
+        self, scope: str, ids: Sequence[int], chunk: Chunk, prompt: Sequence[int], text: str, stats: ChunkStats
+    ) -> None:
+        start = self._prefix(ids, chunk.start)
+        key = (scope, start, chunk.end, self._prefix(ids, chunk.end))
+        entry = CachedChunk(text, stats, digest(prompt))
+        replaced = self._entries.get(key)
+        self.bytes += entry_bytes(entry) - (entry_bytes(replaced) if replaced is not None else 0)
+        self._entries[key] = entry
         self._entries.move_to_end(key)
         self._from.setdefault((scope, start), set()).add(key)
-        while len(self._entries) > self.max_entries:
-            old, _ = self._entries.popitem(last=False)
+        while self._entries and (len(self._entries) > self.max_entries or self.bytes > self.max_bytes):
+            old, dropped = self._entries.popitem(last=False)
+            self.bytes -= entry_bytes(dropped)
             keys = self._from.get((old[0], old[1]))
             if keys is not None:
                 keys.discard(old)

@@ -31,14 +31,21 @@ from compaction.history import (
 )
 from compaction.instructions import caller_instructions
 from compaction.layouts import ChunkPrompt, lay_out
+from compaction.limits import PlanLimits
 from compaction.options import CompactionOptions
 from compaction.partition import Chunk, partition
 from compaction.result import ChunkStats, CompactionResult, CompactionStats
 from compaction.settle import Attempt, Settled, settle, should_retry
+from compaction.sources import ChunkSources
 from compaction.validity import check_history, check_output, turn_start
 
 SUMMARY_HEADER = "Summary of the earlier conversation (compacted):"
 RETRY_REPETITION_PENALTY = 1.3
+
+
+def request_id(k: int, strict: bool = False) -> str:
+    """The request id of chunk k's first prompt or of its stricter retry (engine logs, the coordinator's figures)."""
+    return f"chunk-{k}-{'retry' if strict else 'first'}"
 
 
 def is_summary(message: Message) -> bool:
@@ -62,6 +69,7 @@ class CompactionPlan:
     strict_prompts: tuple[ChunkPrompt, ...]  # same bodies, stricter tails (retries)
     prefill_floor_tokens: int
     windows: int = 1  # groups of chunk prompts sharing a window start (windowed layout), else 1
+    sources: ChunkSources | None = None  # what each chunk's summary may state, built in one pass over the history
 
 
 class Compactor:
@@ -75,12 +83,14 @@ class Compactor:
         context_window: int,
         block_size: int = 16,
         cache: ChunkCache | None = None,
+        limits: PlanLimits | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.backend = backend
         self.context_window = context_window
         self.block_size = block_size
         self.cache = cache  # chunk summaries reused across compactions; None disables reuse
+        self.limits = limits  # caps on chunks and history tokens (compaction.limits); None: none
 
     def plan(
         self,
@@ -92,6 +102,8 @@ class Compactor:
         parsed = parse_messages(messages)
         check_history(parsed)
         history = render_history(parsed, self.tokenizer)
+        if self.limits is not None:
+            self.limits.check_history(len(history.token_ids))
         system, head, summaries, tail_from = self._kept_ends(history, opts)
         starts = (*history.message_starts, len(history.token_ids))
         span = (starts[head], starts[tail_from])
@@ -100,18 +112,16 @@ class Compactor:
             chunks: tuple[Chunk, ...] = (Chunk(0, *span),)
         else:
             # Summaries summarised again (not carried) form chunks of their own: a second level.
-            fixed = [starts[summaries]] if head < summaries else []
-            if self.cache is not None and opts.strategy == "parallel" and opts.reuse_chunks:
-                fixed += self.cache.borders(history.token_ids, *span, scope)
-            chunks = partition(*span, opts.chunk_tokens, self.block_size, fixed)
+            chunks = self._partition(history, opts, span, [starts[summaries]] if head < summaries else [], scope)
         if opts.chunk_instructions and max(opts.chunk_instructions) >= len(chunks):
             raise InvalidInput(
                 "chunk_instructions",
                 f"names chunk {max(opts.chunk_instructions)} but there are {len(chunks)}",
             )
         carried = starts[head] - starts[system]
+        sources = ChunkSources(history, self.tokenizer, [c.end for c in chunks])
         if opts.strategy == "extractive":
-            return CompactionPlan(opts, history, head, tail_from, carried, scope, span, chunks, (), (), 0)
+            return CompactionPlan(opts, history, head, tail_from, carried, scope, span, chunks, (), (), 0, 1, sources)
         laid = lay_out(history, self.tokenizer, opts, chunks, span[1], self.context_window, self.block_size)
         self._check_window((*laid.prompts, *laid.strict_prompts), laid.options)
         return CompactionPlan(
@@ -127,7 +137,23 @@ class Compactor:
             laid.strict_prompts,
             laid.floor,
             len(laid.windows),
+            sources,
         )
+
+    def _partition(
+        self, history: RenderedHistory, opts: CompactionOptions, span: tuple[int, int], fixed: list[int], scope: str
+    ) -> tuple[Chunk, ...]:
+        """Cut the span; borders of chunks cached before stay borders unless that passes max_chunks."""
+        cached = []
+        if self.cache is not None and opts.strategy == "parallel" and opts.reuse_chunks:
+            cached = self.cache.borders(history.token_ids, *span, scope)
+        chunks = partition(*span, opts.chunk_tokens, self.block_size, fixed + cached)
+        if self.limits is None or len(chunks) <= self.limits.max_chunks:
+            return chunks
+        chunks = partition(*span, opts.chunk_tokens, self.block_size, fixed)
+        cut = lambda size: partition(*span, size, self.block_size, fixed)  # noqa: E731
+        self.limits.check_chunks(chunks, opts.chunk_tokens, cut, span[1] - span[0])
+        return chunks
 
     @staticmethod
     def _kept_ends(history: RenderedHistory, opts: CompactionOptions) -> tuple[int, int, int, int]:
@@ -219,7 +245,7 @@ class Compactor:
             for k, task in tasks.items():
                 stats, text = task.result()
                 prompt = plan.prompts[k]
-                self.cache.put(plan.scope, plan.history.token_ids, prompt.chunk, prompt.token_ids, text, stats)
+                self.cache.put(plan.scope, plan.history.token_ids, prompt.chunk, prompt.view, text, stats)
         return self._merge(plan, per_chunk, time.perf_counter() - began)
 
     def reusable(self, plan: CompactionPlan) -> frozenset[int]:
@@ -231,7 +257,7 @@ class Compactor:
         if self.cache is None or not plan.options.reuse_chunks:
             return None
         prompt = plan.prompts[k]
-        hit = self.cache.get(plan.scope, plan.history.token_ids, prompt.chunk, prompt.token_ids)
+        hit = self.cache.get(plan.scope, plan.history.token_ids, prompt.chunk, prompt.view)
         if hit is None:
             return None
         nothing = {"prompt_tokens": 0, "cached_prompt_tokens": 0, "computed_prefill_tokens": 0, "output_tokens": 0}
@@ -253,7 +279,7 @@ class Compactor:
                 min_tokens=opts.max_chunk_summary_tokens if opts.fixed_output_tokens else 0,
                 temperature=opts.temperature,
                 repetition_penalty=RETRY_REPETITION_PENALTY if strict else 1.0,
-                request_id=f"chunk-{k}-{'retry' if strict else 'first'}",
+                request_id=request_id(k, strict),
                 routing_key=route,
             )
             attempts.append(Attempt.of(await backend.generate(request), source))
@@ -274,8 +300,10 @@ class Compactor:
         Our own instruction text (part numbers, the word budget) is not a source: a summary that
         states "24" because the tail said "at most 24 words" has invented it.
         """
-        before = segments(plan.history, self.tokenizer, 0, plan.chunks[k].end)
         extra = caller_instructions(plan.options, k)
+        if plan.sources is not None:
+            return plan.sources.source(plan.chunks[k].end, *([extra] if extra else []))
+        before = segments(plan.history, self.tokenizer, 0, plan.chunks[k].end)
         return Source(*(s.text for s in before), *([extra] if extra else []))
 
     def _extractive_text(self, plan: CompactionPlan, chunk: Chunk) -> str:
@@ -286,7 +314,10 @@ class Compactor:
         """Strategy extractive: chunk's most salient lines, no model call."""
         began = time.perf_counter()
         text = self._extractive_text(plan, chunk)
-        source = Source(*(s.text for s in segments(plan.history, self.tokenizer, 0, chunk.end)))
+        if plan.sources is not None:
+            source = plan.sources.source(chunk.end)
+        else:
+            source = Source(*(s.text for s in segments(plan.history, self.tokenizer, 0, chunk.end)))
         kept = Settled(text, "extractive", 0, source.check(text))
         return self._chunk_stats(plan, chunk.index, [], kept, time.perf_counter() - began), text
 

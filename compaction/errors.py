@@ -58,3 +58,8 @@ class DeadlineExceeded(CompactionError):
 
 class ModelNotAvailable(CompactionError):
     """Model weights are missing and cannot be obtained (for example: offline)."""
+
+
+class OverLimit(InvalidInput):
+    """The request asks for more work than the model's caps allow (chunks per compaction, history tokens);
+    the message says what to change."""

@@ -15,6 +15,7 @@ plain name that only ever opens a sentence ("Bob came too.") is not checked.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -103,13 +104,23 @@ def _pattern(token: str) -> re.Pattern[str]:
 
 
 class Source:
-    """A text that summaries are checked against (lower-cased and white-space-collapsed once)."""
+    """A text that summaries are checked against (lower-cased and white-space-collapsed once).
 
-    def __init__(self, *parts: str) -> None:
+    `shared`: texts already normalised, each searched up to its end without a copy (`compaction.sources`:
+    the chunks of one history share one text of it).
+    """
+
+    def __init__(self, *parts: str, shared: Sequence[tuple[str, int]] = ()) -> None:
         self.text = " ".join(" ".join(part.lower().split()) for part in parts)
+        self.shared = tuple(shared)
 
     def contains(self, token: str) -> bool:
-        return token in self.text and _pattern(token).search(self.text) is not None
+        if token in self.text and _pattern(token).search(self.text) is not None:
+            return True
+        return any(
+            text.find(token, 0, end) >= 0 and _pattern(token).search(text, 0, end) is not None
+            for text, end in self.shared
+        )
 
     def check(self, text: str) -> Grounding:
         salient = salient_tokens(text)

@@ -28,6 +28,7 @@ from compaction.history import ChatTokenizer, RenderedHistory
 from compaction.instructions import caller_instructions, instruction_text, target_phrase
 from compaction.options import CompactionOptions, Layout
 from compaction.partition import Chunk
+from compaction.views import PrefixDigests, TokenView
 from compaction.windows import Window, plan_windows, windowed_floor
 
 SEGMENT = ("\n<segment>\n", "\n</segment>\n")
@@ -40,14 +41,22 @@ class ChunkPrompt:
     """One prompt of a compaction, in token ids."""
 
     chunk: Chunk  # the history slice this prompt asks to summarise
-    body: tuple[int, ...]  # history (+ markers); identical between a prompt and its retry
+    body: Sequence[int]  # history (+ markers), a view of the history; identical between a prompt and its retry
     tail: tuple[int, ...]  # turn close + instructions + generation prompt
     raw_prefix: int  # body[:raw_prefix] == history[:raw_prefix]: what the agent's own cache can serve
     history_tokens: int  # how many history tokens the body holds (markers excluded)
 
     @property
     def token_ids(self) -> tuple[int, ...]:
-        return self.body + self.tail
+        """The whole prompt, materialised (when it is sent)."""
+        return (*self.body, *self.tail) if not isinstance(self.body, TokenView) else self.body + self.tail
+
+    @property
+    def view(self) -> TokenView:
+        """The whole prompt as a view (nothing copied): for digests, lengths and prefix comparisons."""
+        if isinstance(self.body, TokenView):
+            return self.body.then(self.tail)
+        return TokenView(tuple(self.body), (range(len(self.body)), self.tail))
 
     def __len__(self) -> int:
         return len(self.body) + len(self.tail)
@@ -77,27 +86,32 @@ def _body(
     chunks: Sequence[Chunk],
     k: int,
     span_end: int,
-    markers: dict[str, list[int]],
+    markers: dict[str, tuple[int, ...]],
     start: int | None,
-) -> tuple[tuple[int, ...], int, int]:
-    """(body, raw_prefix, history_tokens) of chunk k's prompt; `start`: its window start (windowed)."""
+    view: TokenView,
+    before: TokenView | None = None,
+) -> tuple[TokenView, int, int]:
+    """(body, raw_prefix, history_tokens) of chunk k's prompt; `start`: its window start (windowed).
+
+    Bodies are views of the history (`view` is the empty one), never copies; `before`: chunk k-1's body
+    in prefix_exact_marked, which body k extends.
+    """
     chunk = chunks[k]
     if layout == "prefix_exact" or (layout == "windowed" and start == chunks[0].start):
-        return ids[: chunk.end], chunk.end, chunk.end
+        return view.then(range(chunk.end)), chunk.end, chunk.end
     if layout == "windowed" and start is not None:
         head = chunks[0].start
-        return ids[:head] + ids[start : chunk.end], head, head + chunk.end - start
+        return view.then(range(head), range(start, chunk.end)), head, head + chunk.end - start
     if layout == "independent":
-        return ids[chunk.start : chunk.end], 0, chunk.size
+        return view.then(range(chunk.start, chunk.end)), 0, chunk.size
     if layout == "prefix_exact_marked":
         first = chunks[0].start
-        marked = list(ids[:first])
-        for c in chunks[: k + 1]:
-            marked += markers["segment_open"] + list(ids[c.start : c.end]) + markers["segment_close"]
-        return tuple(marked), first, chunk.end
-    tagged = markers["target_open"] + list(ids[chunk.start : chunk.end]) + markers["target_close"]
-    after = list(ids[chunk.end : span_end]) if layout == "shared_full" else []
-    return (*ids[: chunk.start], *tagged, *after), chunk.start, chunk.end + len(after)
+        marked = before if before is not None else view.then(range(first))
+        segment = (markers["segment_open"], range(chunk.start, chunk.end), markers["segment_close"])
+        return marked.then(*segment), first, chunk.end
+    tagged = (markers["target_open"], range(chunk.start, chunk.end), markers["target_close"])
+    after = range(chunk.end, span_end) if layout == "shared_full" else range(0)
+    return view.then(range(chunk.start), *tagged, after), chunk.start, chunk.end + len(after)
 
 
 def build_prompts(
@@ -108,28 +122,32 @@ def build_prompts(
     span_end: int,
     strict: bool = False,
     starts: Sequence[int] | None = None,
+    prefixes: PrefixDigests | None = None,
 ) -> tuple[ChunkPrompt, ...]:
-    """One prompt per chunk (a single whole-span prompt when sequential); `starts`: window starts (windowed)."""
+    """One prompt per chunk (a single whole-span prompt when sequential); `starts`: window starts (windowed);
+    `prefixes`: the history's prefix digests, shared by the prompts of one plan."""
     ids = history.token_ids
     borders = set(history.message_starts) | {len(ids)}
     if options.layout == "auto":  # `lay_out` resolves it against the model window
         options = options.model_copy(update={"layout": "prefix_exact"})
     markers = {
-        "segment_open": tokenizer.encode(SEGMENT[0]),
-        "segment_close": tokenizer.encode(SEGMENT[1]),
-        "target_open": tokenizer.encode(TARGET[0]),
-        "target_close": tokenizer.encode(TARGET[1]),
+        "segment_open": tuple(tokenizer.encode(SEGMENT[0])),
+        "segment_close": tuple(tokenizer.encode(SEGMENT[1])),
+        "target_open": tuple(tokenizer.encode(TARGET[0])),
+        "target_close": tuple(tokenizer.encode(TARGET[1])),
     }
     sequential = options.strategy == "sequential"
-    prompts = []
+    view = TokenView(ids, (), prefixes=prefixes or PrefixDigests(ids))
+    prompts: list[ChunkPrompt] = []
     for k, chunk in enumerate(chunks):
         if sequential:
-            body, raw, hist = ids[:span_end], span_end, span_end
+            body, raw, hist = view.then(range(span_end)), span_end, span_end
         else:
             start = starts[k] if starts is not None else None
-            body, raw, hist = _body(options.layout, ids, chunks, k, span_end, markers, start)
+            before = prompts[-1].body if prompts and isinstance(prompts[-1].body, TokenView) else None
+            body, raw, hist = _body(options.layout, ids, chunks, k, span_end, markers, start, view, before)
         tail = _tail(history, tokenizer, options, chunks, k, span_end, strict, borders)
-        prompts.append(ChunkPrompt(chunk, tuple(body), tail, raw, hist))
+        prompts.append(ChunkPrompt(chunk, body, tail, raw, hist))
     return tuple(prompts)
 
 
@@ -203,8 +221,9 @@ def lay_out(
             windows = plan_windows(chunks, head_end, rooms, block_size)
     opts = options.model_copy(update={"layout": layout})
     starts = [w.start for w in windows for _ in w.chunks] if layout == "windowed" else None
-    prompts = build_prompts(history, tokenizer, opts, chunks, span_end, starts=starts)
-    strict = build_prompts(history, tokenizer, opts, chunks, span_end, strict=True, starts=starts)
+    prefixes = PrefixDigests(history.token_ids)
+    prompts = build_prompts(history, tokenizer, opts, chunks, span_end, starts=starts, prefixes=prefixes)
+    strict = build_prompts(history, tokenizer, opts, chunks, span_end, strict=True, starts=starts, prefixes=prefixes)
     if layout != "windowed":
         return PromptSet(opts, prompts, strict, prefill_floor(prompts, span_end, block_size), windows)
     own = sum(len(p.tail) + len(p.body) % block_size for p in prompts)

@@ -61,7 +61,7 @@ from compaction.tokenizer import HFChatTokenizer
 from serving.chat import FIELD as CONTEXT_MANAGEMENT
 from serving.chat import PromptCounter, prepare_turn, when_sent, with_compaction
 from serving.coordinator import CompactJob, ServiceResult
-from serving.coordinator_calls import call_coordinator
+from serving.coordinator_calls import Suspects, call_coordinator
 from serving.ray_adapter import ChatRequest, openai_app, openai_routes
 from serving.routing import PlacementMode
 from serving.sessions import ChatTurn, TurnCompaction, Wire
@@ -317,6 +317,7 @@ class CompactionIngress(OpenAiIngress):
         self._windows = windows
         self._aliases = aliases or {}
         self._counters: dict[str, PromptCounter] = {}
+        self._suspects = Suspects()  # jobs a coordinator died running: never resent (serving.coordinator_calls)
 
     async def compact(self, body: CompactRequest, request: Request) -> ServiceResult:
         """Compact a history; the stats show where each chunk ran, what the cache served and the queue wait."""
@@ -327,7 +328,9 @@ class CompactionIngress(OpenAiIngress):
         # coordinator included (a small grace lets the coordinator's own 504 arrive first).
         try:
             async with asyncio.timeout(job.timeout_s + DEADLINE_GRACE_S if job.timeout_s else None):
-                outcome = await call_coordinator(self._coordinator, "compact", job, session_id=job.session_id)
+                outcome = await call_coordinator(
+                    self._coordinator, "compact", job, session_id=job.session_id, suspects=self._suspects
+                )
         except TimeoutError as exc:
             raise DeadlineExceeded(
                 f"the compaction did not finish within timeout_s = {job.timeout_s:g} s and was cancelled",
@@ -419,7 +422,9 @@ class CompactionIngress(OpenAiIngress):
 
     async def _turn(self, turn: ChatTurn) -> TurnCompaction:
         """The coordinator's decision for a turn, on the replica the session hashes to (retried on a live one)."""
-        outcome = await call_coordinator(self._coordinator, "chat_turn", turn, session_id=turn.session_id)
+        outcome = await call_coordinator(
+            self._coordinator, "chat_turn", turn, session_id=turn.session_id, suspects=self._suspects
+        )
         assert isinstance(outcome, TurnCompaction)
         return outcome
 

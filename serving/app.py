@@ -25,6 +25,7 @@ from ray.serve.handle import DeploymentHandle
 from ray.serve.llm import build_llm_deployment
 from ray.serve.llm.ingress import OpenAiIngress
 
+from compaction.chunk_cache import DEFAULT_MAX_BYTES as CHUNK_CACHE_BYTES
 from compaction.chunk_cache import ChunkCache
 from compaction.compactor import Compactor
 from compaction.errors import CompactionError
@@ -36,6 +37,7 @@ from serving.metrics import RayMetrics, record_stall
 from serving.models import ModelSpec, Replicas, load_catalogue
 from serving.ray_adapter import ROUTER_CLASS, model_card, router_kwargs
 from serving.routing import CostModel
+from serving.sessions import DEFAULT_MAX_BYTES as SESSION_BYTES
 from serving.sessions import ChatTurn, SessionCompactions, TurnCompaction
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -91,6 +93,20 @@ class AppArgs(BaseModel):
         ge=1,
         le=10_000_000,
         description="Chat sessions per coordinator replica whose background compaction is kept until used.",
+    )
+    chat_session_bytes: int = Field(
+        SESSION_BYTES,
+        ge=1 << 20,
+        le=1 << 40,
+        description="Bytes per coordinator replica the kept background compactions may hold (a running one: its "
+        "job; a finished one: its result); the least recently started go first. Default 512 MiB.",
+    )
+    chunk_cache_bytes: int = Field(
+        CHUNK_CACHE_BYTES,
+        ge=1 << 16,
+        le=1 << 40,
+        description="Bytes per model and coordinator replica the chunk-summary cache may hold (summaries and "
+        "their stats); the least recently used go first. Default 64 MiB.",
     )
     cost: dict[str, CostModel] = Field(
         default_factory=dict, description="Cost-model figures per model name (defaults: vLLM-CPU SmolLM2)."
@@ -157,9 +173,18 @@ class CoordinatorDeployment:
             handle = llm_deployments[spec.name]
             backend = ReplicaBackend(handle, spec.name, max_failovers=args.max_failovers)
             tokenizer = HFChatTokenizer.from_path(spec.resolved_source())
-            cache = ChunkCache(args.chunk_cache_entries) if args.chunk_cache_entries else None
+            cache = (
+                ChunkCache(args.chunk_cache_entries, max_bytes=args.chunk_cache_bytes)
+                if args.chunk_cache_entries
+                else None
+            )
             compactor = Compactor(
-                tokenizer, backend, context_window=spec.max_model_len, block_size=spec.block_size, cache=cache
+                tokenizer,
+                backend,
+                context_window=spec.max_model_len,
+                block_size=spec.block_size,
+                cache=cache,
+                limits=spec.plan_limits(),
             )
             runtimes[spec.name] = ModelRuntime(
                 compactor,
@@ -176,7 +201,12 @@ class CoordinatorDeployment:
         name = serve.get_replica_context().replica_id.unique_id
         self._coordinator = Coordinator(runtimes, admission, RayMetrics(), name)
         coordinator = self._coordinator
-        self._sessions = SessionCompactions(coordinator.compact, warm=coordinator.warm, max_sessions=args.chat_sessions)
+        self._sessions = SessionCompactions(
+            coordinator.compact,
+            warm=coordinator.warm,
+            max_sessions=args.chat_sessions,
+            max_bytes=args.chat_session_bytes,
+        )
         self._gauges: asyncio.Task[None] | None = None
 
     def _keep_gauges(self) -> None:

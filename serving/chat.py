@@ -32,6 +32,8 @@ from serving.sessions import ChatTurn, TurnCompaction, Wire
 FIELD = "context_management"
 DEFAULT_REPLY_TOKENS = 256  # reply budget assumed when the request sets none (window check only)
 RECENT_TURNS = 4  # a session's next turn may grow its prompt as much as the largest of its last few
+RECORD_BYTES = 256  # one session's record in one of PromptCounter's tables, beside its session id
+DEFAULT_COUNTER_BYTES = 16 * 2**20  # PromptCounter's three tables together, per model and ingress replica
 
 
 class PromptCounter:
@@ -43,10 +45,18 @@ class PromptCounter:
     to tokenise whole on a CPU core, about what a whole SmolLM2 decode step costs).
     """
 
-    def __init__(self, tokenizer: ChatTokenizer, specials: Sequence[str], max_sessions: int = 8192) -> None:
+    def __init__(
+        self,
+        tokenizer: ChatTokenizer,
+        specials: Sequence[str],
+        max_sessions: int = 8192,
+        max_bytes: int = DEFAULT_COUNTER_BYTES,
+    ) -> None:
         self.tokenizer = tokenizer
         self.specials = tuple(s for s in specials if s)
         self.max_sessions = max_sessions
+        self.max_bytes = max_bytes  # the three tables together (RECORD_BYTES + the session id per record)
+        self._bytes: dict[int, int] = {}  # id(table) -> its bytes
         self._known: OrderedDict[str, tuple[int, str, int]] = OrderedDict()  # session -> (chars, digest, tokens)
         # session -> (tokens of the prompt last answered, growth of its last RECENT_TURNS turns)
         self._answered: OrderedDict[str, tuple[int, tuple[int, ...]]] = OrderedDict()
@@ -99,11 +109,16 @@ class PromptCounter:
             self._remember(self._replied, session, (time.monotonic(), self._replied.get(session, (None, ()))[1]))
 
     def _remember(self, records: OrderedDict[str, Any], session: str, record: Any) -> None:
-        """Keep a session's record, the least recently seen sessions dropped past max_sessions."""
+        """Keep a session's record, the least recently seen sessions dropped past max_sessions or max_bytes."""
+        size = self._bytes.get(id(records), 0)
+        if session not in records:
+            size += len(str(session)) + RECORD_BYTES
         records[session] = record
         records.move_to_end(session)
-        while len(records) > self.max_sessions:
-            records.popitem(last=False)
+        while len(records) > 1 and (len(records) > self.max_sessions or size > self.max_bytes // 3):
+            old, _ = records.popitem(last=False)
+            size -= len(str(old)) + RECORD_BYTES
+        self._bytes[id(records)] = size
 
 
 def _digest(text: str) -> str:

@@ -5,7 +5,8 @@ the one entry point every caller uses (the HTTP handler, background tasks): iden
 jobs of a session run once (`serving.admission.SharedRuns`), each caller has its own deadline
 (`timeout_s`), and a run is admitted by the model's `Gate` (bounded running sequences, bounded
 queue, then `Overloaded`). Per compaction it
-plans with `Compactor.plan` (render once, partition, lay out prompts), decides the placement with
+plans with `Compactor.plan` (render once, partition, lay out prompts; in a worker thread, inside the
+deadline, so the event loop keeps serving other sessions and /healthz), decides the placement with
 `serving.routing.place` (cost model: pin to the session's replica or spread contiguous ranges),
 dispatches every chunk prompt at once with `Compactor.run` (one routing key per chunk), and adds
 to the core's stats where the prompts went and how much of the history came from cache.
@@ -31,7 +32,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from compaction.backend import Backend, Generation, GenerationRequest
-from compaction.compactor import CompactionPlan, Compactor
+from compaction.compactor import CompactionPlan, Compactor, request_id
 from compaction.errors import (
     BackendError,
     CompactionError,
@@ -161,14 +162,14 @@ class Failure(BaseModel):
 
 @dataclass
 class Recorder:
-    """Passes requests through and keeps the first Generation of every distinct prompt."""
+    """Passes requests through and keeps the first Generation of every request id (`compactor.request_id`)."""
 
     inner: Backend
-    first: dict[tuple[int, ...], Generation] = field(default_factory=dict)
+    first: dict[str, Generation] = field(default_factory=dict)
 
     async def generate(self, request: GenerationRequest) -> Generation:
         generation = await self.inner.generate(request)
-        self.first.setdefault(request.prompt_token_ids, generation)
+        self.first.setdefault(request.request_id, generation)
         return generation
 
 
@@ -189,6 +190,12 @@ class AdmissionConfig:
     max_queued: int = 64  # compactions waiting for admission; more get Overloaded (429)
     max_running: int | None = None  # cap on compactions running at once; None: only the sequence capacity limits
     timeout_s: float = 600.0  # deadline of a request that names none
+
+
+def _plan(compactor: Compactor, job: CompactJob) -> tuple[CompactionPlan, int]:
+    """The job's plan and how many of its chunks the chunk cache already holds (run in a worker thread)."""
+    plan = compactor.plan(job.messages, job.options)
+    return plan, len(compactor.reusable(plan))
 
 
 class Coordinator:
@@ -274,11 +281,13 @@ class Coordinator:
         self, runtime: ModelRuntime, job: CompactJob, urgent: asyncio.Event | None = None
     ) -> ServiceResult:
         compactor = runtime.compactor
-        plan = compactor.plan(job.messages, job.options)  # bad input fails here, before it queues
+        # Off the event loop (other sessions' turns and /healthz go on meanwhile) and inside the deadline;
+        # bad input fails here, before it queues.
+        plan, reusable = await asyncio.to_thread(_plan, compactor, job)
         replicas = max(1, await runtime.replicas())
         gate = self._gates[job.model]
         gate.resize(runtime.batch_sequences * replicas)
-        sequences = len(plan.prompts) - len(compactor.reusable(plan))  # chunks from the cache send no prompt
+        sequences = len(plan.prompts) - reusable  # chunks from the cache send no prompt
         async with gate.admitted(sequences) as waited:
             result = await self._run(runtime, plan, job, replicas, urgent)
         return result.model_copy(update={"stats": result.stats.model_copy(update={"queue_wait_s": round(waited, 4)})})
@@ -288,7 +297,7 @@ class Coordinator:
     ) -> ServiceResult:
         compactor = runtime.compactor
         shape = self._placement_input(plan, job, replicas, compactor)
-        placement = place(shape, job.placement, runtime.cost)
+        placement = await asyncio.to_thread(place, shape, job.placement, runtime.cost)  # compares the prompts
         recorder = Recorder(compactor.backend)
         backend = Escalation(recorder, PRIORITIES[job.priority], urgent)
         result = await compactor.run(plan, routes=placement.routes(), backend=backend)
@@ -308,7 +317,7 @@ class Coordinator:
     def _placement_input(plan: CompactionPlan, job: CompactJob, replicas: int, compactor: Compactor) -> PlacementInput:
         history = plan.history
         return PlacementInput(
-            prompts=tuple(PromptShape(p.token_ids, p.raw_prefix) for p in plan.prompts),
+            prompts=tuple(PromptShape(p.view, p.raw_prefix) for p in plan.prompts),  # views: nothing copied
             session=job.session_id or history_key(history.token_ids, compactor.block_size),
             has_session=job.session_id is not None,
             # The agent's last turn sent every message before the newest one.
@@ -322,12 +331,10 @@ class Coordinator:
     def _result(
         plan: CompactionPlan, placement: Placement, result: CompactionResult, recorder: Recorder, session: str | None
     ) -> ServiceResult:
-        history_prompt = sum(p.raw_prefix for p in plan.prompts if p.token_ids in recorder.first)  # prompts sent
-        history_cached = sum(
-            min(recorder.first[p.token_ids].cached_prompt_tokens, p.raw_prefix)
-            for p in plan.prompts
-            if p.token_ids in recorder.first
-        )
+        firsts = ((p, recorder.first.get(request_id(k))) for k, p in enumerate(plan.prompts))
+        sent = [(p, generation) for p, generation in firsts if generation is not None]  # prompts sent
+        history_prompt = sum(p.raw_prefix for p, _ in sent)
+        history_cached = sum(min(generation.cached_prompt_tokens, p.raw_prefix) for p, generation in sent)
         extra: dict[str, Any] = {
             "session_id": session,
             "placement": placement,

@@ -10,6 +10,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from compaction.errors import InvalidInput, UnknownModel
+from compaction.limits import PlanLimits
 from compaction.pacing import YieldRule
 
 DEFAULT_CATALOGUE = Path(__file__).with_name("catalogue.yaml")
@@ -142,6 +143,21 @@ class ModelSpec(BaseModel):
         description="Background requests decode beside the agent's (a batched decode step costs about what a "
         "single one does on a GPU); false holds them back too (measured better on the CPU).",
     )
+    max_chunks: int | None = Field(
+        None,
+        ge=1,
+        le=65_536,
+        description="Chunk prompts one compaction may plan; more get 422 naming the chunk_tokens that fits. None: "
+        "the sequences one replica batches (batch_sequences(): max_num_seqs, 128 on the CPU, 1,024 on an H100), "
+        "so a compaction's prompts fit one engine's batch (compaction.limits).",
+    )
+    max_history_tokens: int | None = Field(
+        None,
+        ge=512,
+        le=67_108_864,
+        description="Tokens a history to compact may render to; more get 422. None: 16 model windows "
+        "(compaction.limits.HISTORY_WINDOWS x max_model_len: 131,072 for an 8,192-token window).",
+    )
     engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="Extra vLLM engine arguments.")
     description: str = ""
 
@@ -178,6 +194,12 @@ class ModelSpec(BaseModel):
         if self.device == "cpu":
             return DEFAULT_MAX_NUM_SEQS["cpu"]
         return DEFAULT_MAX_NUM_SEQS["gpu_large" if self.accelerator_type in LARGE_GPUS else "gpu"]
+
+    def plan_limits(self) -> PlanLimits:
+        """The caps on one compaction's work for this model: the catalogue's, else the defaults of its window
+        and engine batch (compaction.limits)."""
+        default = PlanLimits.for_window(self.max_model_len, self.batch_sequences())
+        return PlanLimits(self.max_chunks or default.max_chunks, self.max_history_tokens or default.max_history_tokens)
 
     def engine_args(self) -> dict[str, Any]:
         """vLLM engine arguments: prefix caching and chunked prefill on, prompt-cache details reported,

@@ -13,7 +13,11 @@ When the prompt a turn is answered from already wants a background run (past bac
 or one more turn like this one would pass compact_threshold), that prompt is the next snapshot.
 
 Nothing here is needed for correctness: the client carries the compacted history, so losing this
-state (a restart, an eviction) costs only a recomputation.
+state (a restart, an eviction) costs only a recomputation. So it is bounded in sessions and in bytes
+(`max_bytes`: each session's snapshot job while it runs, its result once done; the least recently
+started go first). A background run keeps no more than it must: its messages without their extra
+fields, and a run that fails (or is shed) keeps only its error, not the traceback whose frames hold
+its plan and every chunk prompt.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from compaction.errors import CompactionError, InvalidInput, NothingToCompact
+from compaction.errors import BackendError, CompactionError, InvalidInput, NothingToCompact
 from compaction.history import ChatTokenizer, Message
 from compaction.pacing import Priority
 from compaction.policy import (
@@ -41,10 +45,11 @@ from compaction.policy import (
     spliced,
     wants_background,
 )
-from serving.coordinator import CompactJob, ServiceResult, ServiceStats
+from serving.coordinator import CompactJob, Failure, ServiceResult, ServiceStats
 
 Status = Literal["applied", "running", "none"]
 Wire = Literal["chat", "responses", "messages"]
+DEFAULT_MAX_BYTES = 512 * 2**20  # per coordinator replica: background jobs and results kept for their sessions
 WIRE_FIELD = "session"  # the field a wire mismatch names; the ingress says where its session id came from
 # The coordinator's admission entry: (job, urgent) -> result; `urgent` set raises a background job's priority.
 CompactFn = Callable[[CompactJob, asyncio.Event], Coroutine[Any, Any, ServiceResult]]
@@ -101,6 +106,7 @@ class _Running:
     compaction: asyncio.Task[ServiceResult]
     warmed: asyncio.Task[ServiceResult]  # the compaction's result once its prompt is prefilled (or that failed)
     urgent: asyncio.Event  # set when a turn waits for it: its prompts then go at the agent's priority
+    bytes: int = 0  # what it holds: its job's JSON while it runs, its result's once done, about 0 if it failed
 
     def state(self, digests: Sequence[str], turn: ChatTurn) -> Background:
         if self.made_for != _made_for(turn) or not self.snapshot.covers(digests):
@@ -121,10 +127,18 @@ def _made_for(turn: ChatTurn) -> tuple[str, str]:
 class SessionCompactions:
     """Per-session background compactions and the turn logic (one instance per coordinator replica)."""
 
-    def __init__(self, compact: CompactFn, *, warm: WarmFn | None = None, max_sessions: int = 4096) -> None:
+    def __init__(
+        self,
+        compact: CompactFn,
+        *,
+        warm: WarmFn | None = None,
+        max_sessions: int = 4096,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+    ) -> None:
         self._compact = compact
         self._warm = warm
         self.max_sessions = max_sessions
+        self.max_bytes = max_bytes
         self._sessions: OrderedDict[str, _Running] = OrderedDict()
         self._wires: OrderedDict[str, Wire] = OrderedDict()  # the format each recent session speaks
 
@@ -171,20 +185,28 @@ class SessionCompactions:
         while len(self._wires) > self.max_sessions:
             self._wires.popitem(last=False)
 
+    def bytes(self) -> int:
+        """What the kept background runs hold, about (see `_Running.bytes`)."""
+        return sum(r.bytes for r in self._sessions.values())
+
     def _start(self, turn: ChatTurn, messages: Sequence[Message], digests: Sequence[str]) -> None:
         session = turn.session_id or ""
         urgent = asyncio.Event()
-        job = self._job(turn, messages, "background")
-        compaction = asyncio.create_task(self._compact(job, urgent), name=f"background-{session}")
-        warmed = asyncio.create_task(self._warmed(compaction, job, urgent), name=f"warm-{session}")
+        job = self._job(turn, [_lean_message(m) for m in messages], "background")
+        compaction = asyncio.create_task(_lean(lambda: self._compact(job, urgent)), name=f"background-{session}")
+        warmed = asyncio.create_task(_lean(lambda: self._warmed(compaction, job, urgent)), name=f"warm-{session}")
         for task in (compaction, warmed):
             task.add_done_callback(_retrieve)
         stale = self._sessions.get(session)
         if stale is not None:  # a snapshot of a history the client no longer has, or of other options
             stale.cancel()
-        self._sessions[session] = _Running(Snapshot.of(digests), _made_for(turn), compaction, warmed, urgent)
+        running = _Running(
+            Snapshot.of(digests), _made_for(turn), compaction, warmed, urgent, len(job.model_dump_json())
+        )
+        compaction.add_done_callback(lambda task: _measure(running, task))
+        self._sessions[session] = running
         self._sessions.move_to_end(session)
-        while len(self._sessions) > self.max_sessions:
+        while len(self._sessions) > self.max_sessions or (len(self._sessions) > 1 and self.bytes() > self.max_bytes):
             _, old = self._sessions.popitem(last=False)
             old.cancel()
 
@@ -280,6 +302,30 @@ def _compose(
     if result.replaces_through < head_len:  # part of the earlier head stayed verbatim after the new summary
         return [*head, *prompt[result.replaces_through : head_len]], through
     return head, through + result.replaces_through - head_len
+
+
+def _lean_message(message: Message) -> Message:
+    """The message without extra fields (the template reads none of them; a background run keeps no more)."""
+    if not message.model_extra:
+        return message
+    return Message.model_validate(message.model_dump(include=set(Message.model_fields), exclude_none=True))
+
+
+async def _lean(work: Callable[[], Coroutine[Any, Any, ServiceResult]]) -> ServiceResult:
+    """`work()`'s result, or its error alone: raised afresh, without the traceback whose frames hold its plan."""
+    try:
+        return await work()
+    except CompactionError as exc:
+        error: Exception = Failure.of(exc).exception()
+    except Exception as exc:  # whatever failed, the turn that uses the run compacts again
+        error = BackendError(f"{type(exc).__name__}: {exc}")
+    raise error
+
+
+def _measure(running: _Running, task: asyncio.Task[ServiceResult]) -> None:
+    """A finished run holds its result (or, failed, almost nothing)."""
+    done = not task.cancelled() and task.exception() is None
+    running.bytes = len(task.result().model_dump_json()) if done else 0
 
 
 def _retrieve(task: asyncio.Task[ServiceResult]) -> None:

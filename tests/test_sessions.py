@@ -277,3 +277,53 @@ async def test_a_turn_that_needs_a_running_background_run_raises_it_to_the_agent
     assert outcome.stats.priority == "background" and outcome.stats.escalated_prompts == outcome.stats.chunks
     served = [r.priority for backend in replicas.replicas.values() for r in backend.requests]
     assert served and set(served[: outcome.stats.chunks]) == {0}  # what completed ran at the agent's priority
+
+
+async def test_a_failed_background_run_keeps_only_its_error_and_runs_keep_no_extra_fields(
+    tokenizer: HFChatTokenizer,
+) -> None:
+    """The failure's traceback (whose frames hold the plan and every prompt) is dropped at once."""
+    import gc
+    import weakref
+
+    class Plan:
+        pass
+
+    kept: list[weakref.ref[Plan]] = []
+    seen: list[CompactJob] = []
+
+    async def failing(job: CompactJob, urgent: asyncio.Event | None = None) -> ServiceResult:
+        plan = Plan()  # stands for the plan: held by this frame when the error is raised
+        kept.append(weakref.ref(plan))
+        seen.append(job)
+        raise BackendError("shed: the queue is full")
+
+    sessions = SessionCompactions(failing)
+    snapshot = [SYSTEM, *conversation(0, 16)]
+    snapshot[1] = {**snapshot[1], "reasoning_blob": "x" * 10_000}  # an extra field the template never reads
+    assert (await sessions.turn(turn(tokenizer, snapshot, background_threshold=700), tokenizer)).status == "running"
+    for _ in range(100):
+        await asyncio.sleep(0.01)
+        if kept and sessions.bytes() == 0:
+            break
+    gc.collect()
+    assert kept and kept[0]() is None  # freed while the failed run is still kept for the session's next turn
+    assert len(sessions) == 1 and sessions.bytes() == 0
+    assert all(not m.model_extra for m in seen[0].messages)
+
+
+async def test_background_runs_are_bounded_in_bytes(tokenizer: HFChatTokenizer) -> None:
+    gate = asyncio.Event()
+    compact = Counting(tokenizer, FakeReplicas(gate=gate))
+    snapshot = [SYSTEM, *conversation(0, 16)]
+    one = len(
+        CompactJob(
+            model=MODEL, messages=parse_messages(snapshot), options=turn(tokenizer, snapshot).entry.options()
+        ).model_dump_json()
+    )
+    sessions = SessionCompactions(compact, max_bytes=int(2.5 * one))
+    for session in ("a", "b", "c", "d"):
+        first = turn(tokenizer, snapshot, session=session, background_threshold=700)
+        assert (await sessions.turn(first, tokenizer)).status == "running"
+    assert len(sessions) == 2 and sessions.bytes() <= 2.5 * one  # the least recently started went first
+    gate.set()

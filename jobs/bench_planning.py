@@ -1,0 +1,148 @@
+"""What planning one compaction costs, in time and peak memory, as the history grows.
+
+    python -m jobs.bench_planning [--tokens 25000,50000,100000,200000] [--baseline /path/to/other/checkout]
+                                  [--baseline-max-tokens 50000]
+
+Plans a parallel compaction of a LoCoMo history (conversations repeated to the size) with the real
+SmolLM2 tokenizer, for a model the size of the GPU catalogue's (131,072-token window, 16-token cache
+blocks, 1,024 sequences per engine), the way the coordinator does before admission: `Compactor.plan`
+(render once, partition, lay out every prompt and its retry) and `Compactor.reusable` (the chunk-cache
+lookups), first with an empty chunk cache, then again with every chunk of the first plan cached (the
+next compaction of a grown session). Rows:
+
+- `smallest`: at the smallest chunk this code allows (the caps: `max_chunks`, `max_history_tokens`);
+- `16`: at 16-token chunks (one cache block), the caps lifted: the planning algorithm alone.
+
+Each measurement runs in a fresh process (time without tracemalloc; peak from a second, traced run).
+`--baseline` runs the 16-token rows with another checkout's code (e.g. the main branch) in the same
+run, up to `--baseline-max-tokens` (its planning grows with the square of the history).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import tracemalloc
+from pathlib import Path
+from typing import Any
+
+WINDOW, BLOCK, SEQUENCES = 131_072, 16, 1024
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def history(tokens: int) -> list[dict[str, Any]]:
+    """A system prompt, then LoCoMo conversations repeated until the history holds `tokens` tokens."""
+    from compaction.tokenizer import HFChatTokenizer
+    from jobs.data.conversations import LOCOMO_PATH, load_conversation, truncate_history
+    from serving.weights import model_dir
+
+    turns = load_conversation(LOCOMO_PATH)
+    messages = [{"role": "system", "content": "You are a helpful assistant."}]
+    while len(messages) * 60 < tokens * 1.2:  # a LoCoMo turn renders to about 60 tokens
+        messages += turns
+    return truncate_history(messages, HFChatTokenizer.from_path(model_dir()), tokens)
+
+
+def measure(tokens: int, chunk: str, traced: bool) -> dict[str, Any]:
+    """One row, in this process: plan cold, cache every chunk, plan again (warm)."""
+    from compaction.chunk_cache import ChunkCache
+    from compaction.compactor import Compactor
+    from compaction.result import ChunkStats
+    from compaction.tokenizer import HFChatTokenizer
+    from serving.weights import model_dir
+
+    messages = history(tokens)
+    tokenizer = HFChatTokenizer.from_path(model_dir())
+    cache = ChunkCache(1_000_000)
+    kwargs: dict[str, Any] = {"context_window": WINDOW, "block_size": BLOCK, "cache": cache}
+    limits = _limits(chunk)
+    if limits is not None:
+        kwargs["limits"] = limits
+    compactor = Compactor(tokenizer, None, **kwargs)  # type: ignore[arg-type]  # planning sends nothing
+    size = BLOCK if chunk == "16" else _smallest(compactor, tokens)
+    options = {"chunk_tokens": size, "max_chunk_summary_tokens": 64}
+    row: dict[str, Any] = {"tokens": tokens, "chunk_tokens": size}
+    for phase in ("cold", "warm"):
+        if traced:
+            tracemalloc.start()
+        began = time.perf_counter()
+        plan = compactor.plan(messages, options)
+        compactor.reusable(plan)
+        row[f"{phase}_s"] = round(time.perf_counter() - began, 3)
+        if traced:
+            row[f"{phase}_peak_mib"] = round(tracemalloc.get_traced_memory()[1] / 2**20, 1)
+            tracemalloc.stop()
+        row["chunks"], row["layout"] = len(plan.chunks), plan.options.layout
+        for prompt in plan.prompts:  # what a finished run leaves in the cache
+            stats = ChunkStats.model_construct(index=prompt.chunk.index)  # type: ignore[call-arg]  # figures unused
+            cache.put(plan.scope, plan.history.token_ids, prompt.chunk, prompt.token_ids, "summary", stats)
+        del plan
+    return row
+
+
+def _limits(chunk: str) -> Any:
+    """This code's caps for the GPU-sized model (None on code without caps); lifted for the 16-token rows."""
+    try:
+        from compaction.limits import PlanLimits
+    except ImportError:
+        return None
+    if chunk == "16":
+        return PlanLimits(max_chunks=10**9, max_history_tokens=10**9)
+    return PlanLimits.for_window(WINDOW, SEQUENCES)
+
+
+def _smallest(compactor: Any, tokens: int) -> int:
+    limits = getattr(compactor, "limits", None)
+    if limits is None:
+        return BLOCK
+    return max(BLOCK, -(-tokens // limits.max_chunks))
+
+
+def run_one(code: Path, tokens: int, chunk: str) -> dict[str, Any]:
+    """A row measured in fresh processes with `code` first on the path: timed once, traced once."""
+    row: dict[str, Any] = {}
+    for traced in (False, True):
+        cmd = [sys.executable, __file__, "--one", f"{tokens}:{chunk}:{int(traced)}"]
+        env = {**os.environ, "PYTHONPATH": str(code), "HF_HUB_OFFLINE": "1"}
+        out = subprocess.run(cmd, env=env, cwd=code, check=True, capture_output=True, text=True).stdout
+        row |= {k: v for k, v in json.loads(out.strip().splitlines()[-1]).items() if not (traced and k.endswith("_s"))}
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", default="25000,50000,100000,200000")
+    parser.add_argument("--baseline", type=Path, default=None, help="another checkout to measure beside this one")
+    parser.add_argument("--baseline-max-tokens", type=int, default=50_000)
+    parser.add_argument("--one", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        tokens, chunk, traced = args.one.split(":")
+        print(json.dumps(measure(int(tokens), chunk, traced == "1")))
+        return
+    sizes = [int(t) for t in args.tokens.split(",")]
+    runs = [("this", ROOT, "smallest")]
+    if args.baseline is not None:
+        runs.append(("baseline", args.baseline.resolve(), "16"))
+    runs.append(("this", ROOT, "16"))
+    head = f"{'code':<9} {'chunk':>8} {'tokens':>7} {'chunks':>6} {'layout':<12} {'cold s':>7} {'peak MiB':>9}"
+    print(f"{head} {'warm s':>7} {'peak MiB':>9}", flush=True)
+    for name, code, chunk in runs:
+        for tokens in sizes:
+            if name == "baseline" and tokens > args.baseline_max_tokens:
+                print(f"{name:<9} {chunk:>8} {tokens:>7} not run (over --baseline-max-tokens)", flush=True)
+                continue
+            r = run_one(code, tokens, chunk)
+            print(
+                f"{name:<9} {r['chunk_tokens']:>8} {tokens:>7} {r['chunks']:>6} {r['layout']:<12} {r['cold_s']:>7}"
+                f" {r['cold_peak_mib']:>9} {r['warm_s']:>7} {r['warm_peak_mib']:>9}",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()

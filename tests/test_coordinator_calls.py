@@ -1,0 +1,93 @@
+"""The ingress's calls to the coordinator: a job whose coordinator died running it is never resent."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Generator
+from typing import Any
+
+import pytest
+from pydantic import BaseModel
+from ray.exceptions import ActorDiedError
+
+from compaction.errors import BackendError
+from serving import coordinator_calls
+from serving.coordinator_calls import Suspects, call_coordinator
+
+
+class Job(BaseModel):
+    history: str
+
+
+class Response:
+    def __init__(self, behaviour: tuple[float, Any]) -> None:
+        self.delay, self.outcome = behaviour
+
+    def __await__(self) -> Generator[Any, None, Any]:
+        return self._wait().__await__()
+
+    async def _wait(self) -> Any:
+        await asyncio.sleep(self.delay)
+        if isinstance(self.outcome, Exception):
+            raise self.outcome
+        return self.outcome
+
+    def cancel(self) -> None:
+        pass
+
+
+class Handle:
+    """A deployment handle whose replicas answer (delay, outcome) in turn."""
+
+    def __init__(self, *behaviours: tuple[float, Any]) -> None:
+        self.behaviours = list(behaviours)
+        self.sent: list[Any] = []
+
+    def options(self, **_: Any) -> Handle:
+        return self
+
+    def remote(self, *args: Any) -> Response:
+        self.sent.append(args)
+        return Response(self.behaviours.pop(0))
+
+
+@pytest.fixture(autouse=True)
+def quick(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(coordinator_calls, "BACKOFF_S", (0.0,))
+    monkeypatch.setattr(coordinator_calls, "UNDELIVERED_S", 0.05)
+
+
+def test_a_job_whose_coordinator_died_running_it_is_not_resent_and_then_refused() -> None:
+    suspects = Suspects(ttl_s=60)
+    handle = Handle((0.1, ActorDiedError()), (0.0, "done"))
+    with pytest.raises(BackendError, match="it was not resent"):
+        asyncio.run(call_coordinator(handle, "compact", Job(history="x"), suspects=suspects))  # type: ignore[arg-type]
+    assert len(handle.sent) == 1 and len(suspects) == 1
+    with pytest.raises(BackendError, match="refused for another"):
+        asyncio.run(call_coordinator(handle, "compact", Job(history="x"), suspects=suspects))  # type: ignore[arg-type]
+    assert len(handle.sent) == 1  # refused at the ingress
+    assert asyncio.run(call_coordinator(handle, "compact", Job(history="y"), suspects=suspects)) == "done"  # type: ignore[arg-type]
+
+
+def test_a_replica_gone_before_the_send_gets_one_resend_only() -> None:
+    suspects = Suspects(ttl_s=60)
+    handle = Handle((0.0, ActorDiedError()), (0.0, "done"))
+    assert asyncio.run(call_coordinator(handle, "compact", Job(history="x"), suspects=suspects)) == "done"  # type: ignore[arg-type]
+    handle = Handle((0.0, ActorDiedError()), (0.0, ActorDiedError()), (0.0, "done"))
+    with pytest.raises(BackendError, match="it was not resent"):
+        asyncio.run(call_coordinator(handle, "compact", Job(history="z"), suspects=suspects))  # type: ignore[arg-type]
+    assert len(handle.sent) == 2
+
+
+def test_calls_that_run_no_job_are_retried_on_a_live_replica_as_before() -> None:
+    handle = Handle((0.1, ActorDiedError()), (0.0, {"m": 1}))
+    assert asyncio.run(call_coordinator(handle, "replicas")) == {"m": 1}  # type: ignore[arg-type]
+    assert len(handle.sent) == 2
+
+
+def test_a_refusal_ends_after_its_time() -> None:
+    suspects = Suspects(ttl_s=0.01)
+    suspects.add(Suspects.fingerprint(Job(history="x")))
+    asyncio.run(asyncio.sleep(0.02))
+    suspects.check(Suspects.fingerprint(Job(history="x")))
+    assert len(suspects) == 0

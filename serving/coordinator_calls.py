@@ -11,11 +11,12 @@
   Compaction has no side effects, so a repeat is safe. `attempts` bounds the tries, with a short
   backoff while Serve notices the death.
 - Never a poison pill: when the coordinator replica dies while it runs a job (a compaction or a chat
-  turn, given with a `Suspects` table), the job is not sent to the next one: a request that brought
-  one coordinator down would bring the next down too. The caller gets 503, and an identical job is
-  refused for `POISON_TTL_S` (the ingress's table, bounded). A replica lost within `UNDELIVERED_S`
-  of the send was most likely gone before it (Serve's router had not noticed yet): that job is sent
-  once more, and not again.
+  turn, given with a `Suspects` table), the job gets a strike. After its first strike it is sent once
+  more, to a live replica (a lost node or a killed process is far more common than a request that
+  kills): the caller still gets its answer. A job with `STRIKES` strikes brought down one coordinator
+  after another: it is not sent again, the caller gets 503, and an identical job is refused for
+  `POISON_TTL_S` (the ingress's table, bounded). So one request can stop at most `STRIKES`
+  coordinators in that time.
 - Cancelled with the caller: when the caller is cancelled (client disconnect, deadline), the call
   is cancelled on the coordinator explicitly, which cancels the compaction there.
 - Errors: a `Failure` the coordinator returned becomes its `CompactionError`; when no coordinator
@@ -45,56 +46,55 @@ logger = logging.getLogger(__name__)
 # A dead replica, an unreachable one, or a Serve router with none to offer right now.
 RETRIABLE: tuple[type[Exception], ...] = (RayActorError, ActorUnavailableError, BackPressureError)
 BACKOFF_S = (0.5, 1.0, 2.0, 4.0)
-POISON_TTL_S = 300.0  # an identical job is refused this long after its coordinator died running it
-UNDELIVERED_S = 1.0  # a replica lost within this of the send was gone already (the router had not noticed)
+POISON_TTL_S = 300.0  # strikes are remembered this long; a job with STRIKES of them is refused meanwhile
+STRIKES = 2  # coordinators a job may see die while it runs before it is refused
 
 
 class Suspects:
-    """Jobs that were running on a coordinator replica when it died: refused for a while (bounded, LRU)."""
+    """Jobs that were running on a coordinator replica when it died, with their strikes (bounded, LRU, timed)."""
 
-    def __init__(self, ttl_s: float = POISON_TTL_S, max_entries: int = 4096) -> None:
+    def __init__(self, ttl_s: float = POISON_TTL_S, max_entries: int = 4096, strikes: int = STRIKES) -> None:
         self.ttl_s = ttl_s
         self.max_entries = max_entries
-        self._until: OrderedDict[str, float] = OrderedDict()  # job fingerprint -> monotonic time it is refused to
+        self.strikes = strikes
+        self._seen: OrderedDict[str, tuple[int, float]] = OrderedDict()  # fingerprint -> (strikes, until)
 
     def __len__(self) -> int:
-        return len(self._until)
+        return len(self._seen)
 
     @staticmethod
     def fingerprint(job: BaseModel) -> str:
         return hashlib.sha256(job.model_dump_json(exclude={"timeout_s"}).encode()).hexdigest()
 
-    def add(self, key: str) -> None:
-        self._until[key] = time.monotonic() + self.ttl_s
-        self._until.move_to_end(key)
-        while len(self._until) > self.max_entries:
-            self._until.popitem(last=False)
+    def strike(self, key: str) -> bool:
+        """Count a coordinator's death under this job; True when the job may not be sent again."""
+        count = self._count(key) + 1
+        self._seen[key] = (count, time.monotonic() + self.ttl_s)
+        self._seen.move_to_end(key)
+        while len(self._seen) > self.max_entries:
+            self._seen.popitem(last=False)
+        if count >= self.strikes:
+            logger.warning(
+                "job %s: %d coordinators stopped running it; refused for %.0f s", key[:12], count, self.ttl_s
+            )
+        return count >= self.strikes
 
     def check(self, key: str) -> None:
         """Raise BackendError (503) while the job is refused."""
-        until = self._until.get(key)
-        if until is None:
+        if self._count(key) < self.strikes:
             return
-        left = until - time.monotonic()
-        if left <= 0:
-            del self._until[key]
-            return
+        left = self._seen[key][1] - time.monotonic()
         raise BackendError(
-            f"an identical request was running on a compaction coordinator when it stopped; it is refused for "
-            f"another {left:.0f} s: compact a shorter history or use larger chunk_tokens"
+            f"an identical request was running on {self.strikes} compaction coordinators when they stopped; it is "
+            f"refused for another {left:.0f} s: compact a shorter history or use larger chunk_tokens"
         )
 
-
-def _not_resent(method: str, key: str, suspects: Suspects) -> BackendError:
-    logger.warning(
-        "a coordinator stopped running %s (job %s); not resent, refused for %.0f s", method, key[:12], suspects.ttl_s
-    )
-    suspects.add(key)
-    return BackendError(
-        "the compaction coordinator stopped while running this request; it was not resent, since a request that "
-        f"stops a coordinator would stop the next one, and an identical request is refused for {suspects.ttl_s:.0f} "
-        "s: compact a shorter history or use larger chunk_tokens"
-    )
+    def _count(self, key: str) -> int:
+        count, until = self._seen.get(key, (0, 0.0))
+        if count and until <= time.monotonic():
+            del self._seen[key]
+            return 0
+        return count
 
 
 async def call_coordinator(
@@ -107,8 +107,8 @@ async def call_coordinator(
 ) -> Any:
     """`handle.<method>.remote(*args)` on a live coordinator replica; a returned Failure is raised.
 
-    With `suspects`, args[0] is a job (a pydantic model): refused while suspect, never resent after the
-    coordinator died running it.
+    With `suspects`, args[0] is a job (a pydantic model): refused while it has its strikes, and not resent
+    once a coordinator's death under it gives it the last one.
     """
     target = handle.options(method_name=method)
     if session_id:
@@ -116,21 +116,20 @@ async def call_coordinator(
     key = Suspects.fingerprint(args[0]) if suspects is not None and args else None
     if key is not None and suspects:
         suspects.check(key)
-    lost = 0  # replicas lost during this call
     for attempt in range(attempts):
         response = target.remote(*args)
-        sent = time.monotonic()
         try:
             outcome = await response
         except (asyncio.CancelledError, RequestCancelledError, TaskCancelledError):
             response.cancel()
             raise
         except RETRIABLE as exc:
-            if isinstance(exc, RayActorError) and key is not None and suspects is not None:
-                lost += 1
-                # Running when the replica died (not a send to a replica already gone), or lost twice: not resent.
-                if time.monotonic() - sent >= UNDELIVERED_S or lost > 1:
-                    raise _not_resent(method, key, suspects) from exc
+            if isinstance(exc, RayActorError) and key is not None and suspects is not None and suspects.strike(key):
+                raise BackendError(
+                    f"{suspects.strikes} compaction coordinators stopped while running this request; it is not sent "
+                    f"again, and an identical request is refused for {suspects.ttl_s:.0f} s: compact a shorter "
+                    "history or use larger chunk_tokens"
+                ) from exc
             logger.warning("coordinator call %s failed (attempt %d of %d): %r", method, attempt + 1, attempts, exc)
             if attempt + 1 == attempts:
                 raise BackendError(

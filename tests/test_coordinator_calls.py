@@ -1,4 +1,4 @@
-"""The ingress's calls to the coordinator: a job whose coordinator died running it is never resent."""
+"""The ingress's calls to the coordinator: a job under which coordinators keep dying is not sent again."""
 
 from __future__ import annotations
 
@@ -54,29 +54,35 @@ class Handle:
 @pytest.fixture(autouse=True)
 def quick(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(coordinator_calls, "BACKOFF_S", (0.0,))
-    monkeypatch.setattr(coordinator_calls, "UNDELIVERED_S", 0.05)
 
 
-def test_a_job_whose_coordinator_died_running_it_is_not_resent_and_then_refused() -> None:
+def test_a_job_is_resent_after_one_coordinator_dies_under_it() -> None:
     suspects = Suspects(ttl_s=60)
     handle = Handle((0.1, ActorDiedError()), (0.0, "done"))
-    with pytest.raises(BackendError, match="it was not resent"):
+    assert asyncio.run(call_coordinator(handle, "compact", Job(history="x"), suspects=suspects)) == "done"  # type: ignore[arg-type]
+    assert len(handle.sent) == 2 and len(suspects) == 1  # one strike, remembered
+
+
+def test_a_job_that_two_coordinators_died_under_is_not_resent_and_then_refused() -> None:
+    suspects = Suspects(ttl_s=60)
+    handle = Handle((0.1, ActorDiedError()), (0.1, ActorDiedError()), (0.0, "done"))
+    with pytest.raises(BackendError, match="it is not sent again"):
         asyncio.run(call_coordinator(handle, "compact", Job(history="x"), suspects=suspects))  # type: ignore[arg-type]
-    assert len(handle.sent) == 1 and len(suspects) == 1
+    assert len(handle.sent) == 2
     with pytest.raises(BackendError, match="refused for another"):
         asyncio.run(call_coordinator(handle, "compact", Job(history="x"), suspects=suspects))  # type: ignore[arg-type]
-    assert len(handle.sent) == 1  # refused at the ingress
+    assert len(handle.sent) == 2  # refused at the ingress
     assert asyncio.run(call_coordinator(handle, "compact", Job(history="y"), suspects=suspects)) == "done"  # type: ignore[arg-type]
 
 
-def test_a_replica_gone_before_the_send_gets_one_resend_only() -> None:
+def test_strikes_add_up_over_calls_of_the_same_job() -> None:
     suspects = Suspects(ttl_s=60)
-    handle = Handle((0.0, ActorDiedError()), (0.0, "done"))
-    assert asyncio.run(call_coordinator(handle, "compact", Job(history="x"), suspects=suspects)) == "done"  # type: ignore[arg-type]
-    handle = Handle((0.0, ActorDiedError()), (0.0, ActorDiedError()), (0.0, "done"))
-    with pytest.raises(BackendError, match="it was not resent"):
-        asyncio.run(call_coordinator(handle, "compact", Job(history="z"), suspects=suspects))  # type: ignore[arg-type]
-    assert len(handle.sent) == 2
+    first = Handle((0.0, ActorDiedError()), (0.0, "done"))
+    assert asyncio.run(call_coordinator(first, "compact", Job(history="x"), suspects=suspects)) == "done"  # type: ignore[arg-type]
+    again = Handle((0.0, ActorDiedError()), (0.0, "done"))
+    with pytest.raises(BackendError, match="it is not sent again"):
+        asyncio.run(call_coordinator(again, "compact", Job(history="x"), suspects=suspects))  # type: ignore[arg-type]
+    assert len(again.sent) == 1
 
 
 def test_calls_that_run_no_job_are_retried_on_a_live_replica_as_before() -> None:
@@ -86,8 +92,11 @@ def test_calls_that_run_no_job_are_retried_on_a_live_replica_as_before() -> None
 
 
 def test_a_refusal_ends_after_its_time() -> None:
-    suspects = Suspects(ttl_s=0.01)
-    suspects.add(Suspects.fingerprint(Job(history="x")))
+    suspects = Suspects(ttl_s=0.01, strikes=1)
+    key = Suspects.fingerprint(Job(history="x"))
+    assert suspects.strike(key)
+    with pytest.raises(BackendError, match="refused"):
+        suspects.check(key)
     asyncio.run(asyncio.sleep(0.02))
-    suspects.check(Suspects.fingerprint(Job(history="x")))
+    suspects.check(key)
     assert len(suspects) == 0

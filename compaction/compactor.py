@@ -35,6 +35,7 @@ from compaction.layouts import ChunkPrompt, lay_out
 from compaction.options import CompactionOptions
 from compaction.partition import Chunk, partition
 from compaction.pinning import ChunkText, model_budget, pin
+from compaction.quality import drop_seen
 from compaction.result import ChunkStats, CompactionResult, CompactionStats
 from compaction.settle import Attempt, Settled, settle, should_retry
 from compaction.user_words import UserWords
@@ -359,7 +360,9 @@ class Compactor:
         words = self.user_words(plan)
         per_chunk = self._pinned(plan, per_chunk, "\n".join(words.texts))
         stats = [s for s, _ in per_chunk]
-        summary = "\n\n".join(text for _, text in per_chunk if text)
+        seen: list[tuple[str, ...]] = []  # no sentence of the summary repeats another, across chunks too
+        texts = [drop_seen(text, seen) for _, text in per_chunk]
+        summary = "\n\n".join(text for text in texts if text)
         head = "\n\n".join(part for part in (f"{SUMMARY_HEADER}\n{summary}", words.render()) if part)
         messages = [
             *plan.history.messages[: plan.kept_head],

@@ -8,7 +8,8 @@ numbers), chosen over the whole span, each written after its own chunk's summary
 facts a summary or the kept user words already state is not pinned, and a summary sentence whose
 facts a pinned line states is dropped: no fact is stated twice. Pinned lines are copied from the
 history (less a tool call's id tag), so they are grounded by construction; the summaries keep
-their own grounding check. No model call: pinning is cheap, done at merge time.
+their own grounding check. No model call: pinning is cheap, done at merge time over the span of
+each compaction, so the chunk-summary cache holds the model summaries and the lines are chosen anew.
 """
 
 from __future__ import annotations

@@ -33,9 +33,12 @@ def _key(piece: str) -> tuple[str, ...]:
 
 
 def _echoes(key: tuple[str, ...], earlier: tuple[str, ...]) -> bool:
-    """`key` repeats `earlier`: the same words, or one starts with the whole of the other."""
-    short = min(len(key), len(earlier))
-    return short >= MIN_SENTENCE_WORDS and key[:short] == earlier[:short]
+    """`key` repeats `earlier`: the same words, or one starts with the whole of the other (a loop cut by
+    max_tokens ends inside a word: "I'm so glad y")."""
+    if min(len(key), len(earlier)) < MIN_SENTENCE_WORDS:
+        return False
+    a, b = " ".join(key), " ".join(earlier)
+    return a.startswith(b) or b.startswith(a)
 
 
 def repeated_sentences(text: str) -> int:
@@ -76,3 +79,25 @@ def collapse_repeats(text: str) -> str:
             keys.append(key)
             kept.append(piece.strip())
     return " ".join(kept)
+
+
+def drop_seen(text: str, seen: list[tuple[str, ...]]) -> str:
+    """`text` without the sentences (of 4 words or more) that repeat one in `seen` or earlier in `text`;
+    line breaks kept.
+
+    `seen` grows by the sentences kept: the merge passes one list through every chunk's text, so no
+    sentence of a compacted summary repeats another.
+    """
+    lines = []
+    for line in text.splitlines():
+        kept = []
+        for piece in re.split(r"(?<=[.!?])\s+", line):
+            key = _key(piece)
+            if key and any(_echoes(key, k) for k in seen):
+                continue
+            if key:
+                seen.append(key)
+            kept.append(piece.strip())
+        if any(kept):
+            lines.append(" ".join(p for p in kept if p))
+    return "\n".join(lines)

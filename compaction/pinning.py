@@ -24,6 +24,7 @@ from compaction.history import ChatTokenizer
 from compaction.options import CompactionOptions
 
 _SENTENCE = re.compile(r"(?<=[.!?])\s+")
+MAX_CANDIDATES = 200  # the best lines are costed exactly (one tokenizer call each); the rest are never reached
 
 
 def model_budget(options: CompactionOptions) -> int:
@@ -104,17 +105,18 @@ def pin(chunks: Sequence[ChunkText], tokenizer: ChatTokenizer, budget: int, else
     texts = [c.summary for c in chunks]
     said = _key(" ".join([*texts, elsewhere]))
     ranked = sorted(_candidates(chunks, Source(*texts, elsewhere), said), key=lambda kl: (-kl[1].score, kl[0]))
-    chars = sum(len(p.text) for c in chunks if c.open for p in c.parts)
-    per_token = max(1.0, chars / max(1, sum(c.tokens for c in chunks if c.open)))
     kept: list[tuple[int, Line]] = []
-    used = 0.0
-    for k, line in ranked:
-        cost = (len(line.label) + len(line.text) + 3) / per_token
+    used = 0
+    covered = Source()
+    for k, line in ranked[:MAX_CANDIDATES]:
+        tokens = salient_tokens(line.text)
+        if tokens and all(covered.contains(t) for t in tokens):
+            continue  # what it names, a line kept already names
+        cost = len(tokenizer.encode(f"{line.label}: {line.text}")) + 1  # + its line break
         if used + cost <= room:
             kept.append((k, line))
+            covered = Source(covered.text, line.text)
             used += cost
-    while kept and len(tokenizer.encode(_render([line for _, line in kept]))) > room:
-        kept.remove(min(kept, key=lambda kl: (kl[1].score, -kl[1].position)))
     out = []
     for k, chunk in enumerate(chunks):
         mine = [line for at, line in kept if at == k]

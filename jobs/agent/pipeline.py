@@ -96,11 +96,11 @@ def matched_options(
 ) -> CompactionOptions:
     """The options with a whole-compaction budget split evenly over this history's chunks.
 
-    The user's words kept verbatim count against the budget (at most half of it): the rest is split,
+    The user's words kept verbatim count against the budget (at most a quarter of it): the rest is split,
     sequential getting all of it in its one prompt, parallel (and extractive) with N chunks getting
     rest // N per chunk (at least 16), so every strategy writes about the same volume.
     """
-    words_budget = min(user_words_budget(options, compactor.context_window), summary_tokens // 2)
+    words_budget = min(user_words_budget(options, compactor.context_window), summary_tokens // 4)
     options = options.model_copy(update={"user_words_tokens": words_budget})
     plan = compactor.plan(history, options)
     words = compactor.user_words(plan)

@@ -18,6 +18,7 @@ from typing import Any
 
 from compaction.backend import Backend, GenerationRequest
 from compaction.chunk_cache import ChunkCache, scope_of
+from compaction.chunk_content import choice
 from compaction.errors import ContextOverflow, InvalidInput, NothingToCompact
 from compaction.extractive import extract, segments
 from compaction.grounding import Source
@@ -34,13 +35,20 @@ from compaction.layouts import ChunkPrompt, lay_out
 from compaction.limits import PlanLimits
 from compaction.options import CompactionOptions
 from compaction.partition import Chunk, partition
+from compaction.pinning import ChunkText, model_budget, pin
+from compaction.quality import drop_seen
 from compaction.result import ChunkStats, CompactionResult, CompactionStats
 from compaction.settle import Attempt, Settled, settle, should_retry
 from compaction.sources import ChunkSources
+from compaction.user_words import UserWords
+from compaction.user_words import budget as user_words_budget
+from compaction.user_words import keep as keep_user_words
 from compaction.validity import check_history, check_output, turn_start
 
 SUMMARY_HEADER = "Summary of the earlier conversation (compacted):"
 RETRY_REPETITION_PENALTY = 1.3
+_Kept = tuple[ChunkStats, str]  # a chunk's stats and kept text
+_CLOSED = ("kept_verbatim", "extractive_fallback")  # fallback texts: no lines are pinned beside them
 
 
 def request_id(k: int, strict: bool = False) -> str:
@@ -275,10 +283,12 @@ class Compactor:
             strict = bool(attempts)
             request = GenerationRequest(
                 prompt_token_ids=(plan.strict_prompts if strict else plan.prompts)[k].token_ids,
-                max_tokens=opts.max_chunk_summary_tokens,
-                min_tokens=opts.max_chunk_summary_tokens if opts.fixed_output_tokens else 0,
+                max_tokens=model_budget(opts),
+                min_tokens=model_budget(opts) if opts.fixed_output_tokens else 0,
                 temperature=opts.temperature,
-                repetition_penalty=RETRY_REPETITION_PENALTY if strict else 1.0,
+                repetition_penalty=max(RETRY_REPETITION_PENALTY, opts.repetition_penalty)
+                if strict
+                else opts.repetition_penalty,
                 request_id=request_id(k, strict),
                 routing_key=route,
             )
@@ -292,6 +302,32 @@ class Compactor:
             extractive=lambda: self._extractive_text(plan, chunk),
         )
         return self._chunk_stats(plan, k, attempts, kept, time.perf_counter() - began), kept.text
+
+    def _pinned(
+        self, plan: CompactionPlan, per_chunk: list[tuple[ChunkStats, str]], words: str
+    ) -> list[tuple[ChunkStats, str]]:
+        """Each chunk's summary with its pinned lines (`pinned_share`; `words`: the kept user words)."""
+        opts = plan.options
+        if opts.pinned_share == 0 or opts.strategy == "extractive":
+            return per_chunk
+        texts = [
+            ChunkText(text, segments(plan.history, self.tokenizer, c.start, c.end), c.size, s.status not in _CLOSED)
+            for c, (s, text) in zip(plan.chunks, per_chunk, strict=True)
+        ]
+        pinned = pin(texts, self.tokenizer, opts.max_chunk_summary_tokens, words)
+        return [
+            (s.model_copy(update={
+                "pinned_lines": p.lines,
+                "summary_tokens": len(self.tokenizer.encode(p.text)),
+                "dropped_sentences": s.dropped_sentences + p.dropped_sentences,
+            }), p.text)
+            for (s, _), p in zip(per_chunk, pinned, strict=True)
+        ]  # fmt: skip
+
+    def user_words(self, plan: CompactionPlan) -> UserWords:
+        """The user's messages of the compacted span kept verbatim in the compacted head (`user_words_tokens`)."""
+        span = plan.history.messages[plan.kept_head : plan.kept_tail_from]
+        return keep_user_words(span, self.tokenizer, user_words_budget(plan.options, self.context_window), is_summary)
 
     def _source(self, plan: CompactionPlan, k: int) -> Source:
         """What chunk k's summary may state: the chunk, the history before it, and the caller's instructions
@@ -348,14 +384,20 @@ class Compactor:
             salient_tokens=len(kept.grounding.salient),
             ungrounded=list(kept.grounding.ungrounded),
             dropped_sentences=kept.dropped_sentences,
+            content=choice(plan.history, plan.options, plan.chunks[k]) if attempts else None,
         )
 
     def _merge(self, plan: CompactionPlan, per_chunk: list[tuple[ChunkStats, str]], latency: float) -> CompactionResult:
+        words = self.user_words(plan)
+        per_chunk = self._pinned(plan, per_chunk, "\n".join(words.texts))
         stats = [s for s, _ in per_chunk]
-        summary = "\n\n".join(text for _, text in per_chunk if text)
+        seen: list[tuple[str, ...]] = []  # no sentence of the summary repeats another, across chunks too
+        texts = [drop_seen(text, seen) for _, text in per_chunk]
+        summary = "\n\n".join(text for text in texts if text)
+        head = "\n\n".join(part for part in (f"{SUMMARY_HEADER}\n{summary}", words.render()) if part)
         messages = [
             *plan.history.messages[: plan.kept_head],
-            Message(role="user", content=f"{SUMMARY_HEADER}\n{summary}"),
+            Message(role="user", content=head),
             *plan.history.messages[plan.kept_tail_from :],
         ]
         check_output(messages)
@@ -386,6 +428,9 @@ class Compactor:
                 failovers=sum(s.failovers for s in stats),
                 reused_chunks=sum(s.reused for s in stats),
                 carried_summary_tokens=plan.carried_tokens,
+                user_words_kept=len(words.texts),
+                user_words_dropped=words.dropped,
+                user_words_tokens=len(self.tokenizer.encode(words.render())) if words.texts else 0,
                 empty_or_runaway_chunks=[s.index for s in stats if s.first_verdict not in (None, "ok")],
                 grounding_threshold=opts.grounding_threshold if opts.strategy != "extractive" else 0.0,
                 ungrounded_chunks=[

@@ -36,7 +36,7 @@ _DECISION = re.compile(
     re.IGNORECASE,
 )
 _TOOL_CALL = re.compile(r"^\[tool call\b")
-_CALL_TAG = re.compile(r"^\[tool (call|result)[^\]]*\]")
+CALL_TAG = re.compile(r"^\[tool (call|result)[^\]]*\]")
 _SENTENCE = re.compile(r"(?<=[.!?])\s+(?=[A-Z\[\"'(`])")
 _HAS_WORD = re.compile(r"\w")
 _CUT_WORD_START = re.compile(r"^\S+")
@@ -133,7 +133,7 @@ def candidate_lines(parts: Sequence[Segment]) -> list[Line]:
     for segment in parts:
         first = segment.opens_message
         for text in _units(segment.text):
-            key = " ".join(_CALL_TAG.sub("", text).lower().split())
+            key = " ".join(CALL_TAG.sub("", text).lower().split())
             if not _HAS_WORD.search(text) or key in seen:
                 continue
             seen.add(key)

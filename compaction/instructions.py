@@ -61,12 +61,19 @@ def words_for(max_tokens: int) -> int:
 
 
 def instruction_text(
-    variant: Variant, target: str, max_tokens: int, extra: str | None = None, strict: bool = False
+    variant: Variant,
+    target: str,
+    max_tokens: int,
+    extra: str | None = None,
+    strict: bool = False,
+    content: str | None = None,
 ) -> str:
-    """The user-turn content of a compaction tail."""
+    """The user-turn content of a compaction tail; `content`: the instructions chosen for the chunk's content."""
     parts = [_VARIANTS[variant].format(target=target), f"Use at most {words_for(max_tokens)} words."]
     if strict:
         parts.append(_STRICT)
+    if content:
+        parts.append(content)
     if extra:
         parts.append(extra.strip())
     parts.append("Write only the summary.")

@@ -24,10 +24,12 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from compaction.chunk_content import content_instructions
 from compaction.history import ChatTokenizer, RenderedHistory
 from compaction.instructions import caller_instructions, instruction_text, target_phrase
 from compaction.options import CompactionOptions, Layout
 from compaction.partition import Chunk
+from compaction.pinning import model_budget
 from compaction.views import PrefixDigests, TokenView
 from compaction.windows import Window, plan_windows, windowed_floor
 
@@ -161,7 +163,8 @@ def _tail(
     strict: bool,
     borders: set[int],
 ) -> tuple[int, ...]:
-    """Chunk k's tail: it does not depend on how much history the body holds."""
+    """Chunk k's tail: it does not depend on how much history the body holds, only on the chunk (its content
+    chooses the instructions, `compaction.chunk_content`) and the options."""
     chunk, ids = chunks[k], history.token_ids
     sequential = options.strategy == "sequential"
     last_history_token = span_end if sequential or options.layout == "shared_full" else chunk.end
@@ -171,7 +174,8 @@ def _tail(
         opening_words(tokenizer, ids[chunk.start : chunk.end]),
     )
     extra = caller_instructions(options, k)
-    text = instruction_text(options.variant, target, options.max_chunk_summary_tokens, extra, strict)
+    content = content_instructions(history, options, chunk)
+    text = instruction_text(options.variant, target, model_budget(options), extra, strict, content)
     return tail_ids(tokenizer, last_history_token in borders, text)
 
 

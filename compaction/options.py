@@ -19,6 +19,10 @@ VARIANTS: tuple[Variant, ...] = ("concise", "default", "detailed")
 # block (jobs/configs/retention-cpu.yaml) measures recall, invention and fallbacks at 0, 0.7 and 0.9.
 GROUNDING_THRESHOLD = 0.7
 STRATEGIES: tuple[Strategy, ...] = ("parallel", "sequential", "extractive")
+# The paper's companion repository samples its summaries with 1.05 (docs/benchmarks.md: runaway summaries).
+REPETITION_PENALTY = 1.05
+# Three quarters of each chunk's budget for pinned lines (docs/benchmarks.md: the retention sweep).
+PINNED_SHARE = 0.75
 
 
 class CompactionOptions(BaseModel):
@@ -93,6 +97,36 @@ class CompactionOptions(BaseModel):
         "chunk's own chunk_instructions). Like those, they count as a source of the summary's facts.",
     )
     temperature: float = Field(0.0, ge=0.0, le=2.0, description="Sampling temperature of the summaries.")
+    repetition_penalty: float = Field(
+        REPETITION_PENALTY,
+        ge=1.0,
+        le=2.0,
+        description="Repetition penalty of the summaries' first attempt (a retry uses at least 1.3). 1 turns it off.",
+    )
+    user_words_tokens: int | None = Field(
+        None,
+        ge=0,
+        le=1_048_576,
+        description="The user's own messages of the compacted span are kept verbatim in the compacted head, newest "
+        "first while together they fit this many tokens (deduplicated, written oldest first); older ones are only "
+        "summarised. Tool results never count. None: 7.5 % of the model window (Codex keeps 20,000 tokens of a "
+        "272k window). 0 keeps none.",
+    )
+    pinned_share: float = Field(
+        PINNED_SHARE,
+        ge=0.0,
+        le=0.9,
+        description="parallel, sequential: share of each chunk's budget kept for the chunk's most salient lines "
+        "word for word (the extractive ranking), beside the model's summary of it; the pinned lines also take "
+        "whatever the summary leaves unused, and a line whose facts the summary already states is not pinned. "
+        "0: the model's summary alone (the strategy extractive pins lines only).",
+    )
+    tail_by_content: bool = Field(
+        True,
+        description="Each chunk's tail asks for what its content holds (tool output and logs, code and diffs, "
+        "dialogue, the user's requests; named per chunk in the stats as `content`). A chunk_instructions entry "
+        "replaces the choice for its chunk.",
+    )
     retry_bad_summaries: bool = Field(
         True, description="Retry an empty, runaway or ungrounded chunk summary once with a stricter tail."
     )

@@ -37,6 +37,7 @@ from compaction.options import CompactionOptions
 # Defaults that follow the threshold when the entry does not set them.
 KEEP_RECENT_SHARE = 0.25  # the newest turns up to this share of the (lower) threshold stay verbatim
 CARRY_SHARE = 0.25  # earlier summaries are carried verbatim while within this share of compact_threshold
+USER_WORDS_SHARE = 0.075  # the user's words kept verbatim: this share of compact_threshold (Codex: 20k of 272k)
 ENTRY_TYPE = "compaction"
 
 
@@ -77,7 +78,7 @@ class ContextManagement(CompactionOptions):
     @model_validator(mode="before")
     @classmethod
     def _threshold_defaults(cls, data: Any) -> Any:
-        """keep_recent_tokens and carry_summary_tokens default to shares of the thresholds."""
+        """keep_recent_tokens, carry_summary_tokens and user_words_tokens default to shares of the thresholds."""
         if isinstance(data, dict) and isinstance(data.get("compact_threshold"), int):
             threshold = data["compact_threshold"]
             background = data.get("background_threshold")
@@ -85,6 +86,7 @@ class ContextManagement(CompactionOptions):
             data = {
                 "keep_recent_tokens": int(lowest * KEEP_RECENT_SHARE),
                 "carry_summary_tokens": int(threshold * CARRY_SHARE),
+                "user_words_tokens": int(threshold * USER_WORDS_SHARE),
                 **data,
             }
         return data

@@ -24,22 +24,80 @@ def repetition_ratio(text: str, n: int = 6) -> float:
     return 1.0 - len(set(grams)) / len(grams)
 
 
+_PIECES = re.compile(r"(?<=[.!?])\s+|\n+")
+MIN_SENTENCE_WORDS = 4  # shorter sentences ("Thanks.", "All tests pass.") may well repeat
+
+
+def _key(piece: str) -> tuple[str, ...]:
+    return tuple(re.sub(r"\W+", " ", piece).lower().split())
+
+
+def _echoes(key: tuple[str, ...], earlier: tuple[str, ...]) -> bool:
+    """`key` repeats `earlier`: the same words, or one starts with the whole of the other (a loop cut by
+    max_tokens ends inside a word: "I'm so glad y")."""
+    if min(len(key), len(earlier)) < MIN_SENTENCE_WORDS:
+        return False
+    a, b = " ".join(key), " ".join(earlier)
+    return a.startswith(b) or b.startswith(a)
+
+
+def repeated_sentences(text: str) -> int:
+    """Sentences (or lines) that repeat an earlier one: the same words, or one extends the other.
+
+    "I'm so glad you're doing great. I'm so glad you're doing great too." holds one.
+    """
+    keys: list[tuple[str, ...]] = []
+    repeats = 0
+    for piece in _PIECES.split(text):
+        key = _key(piece)
+        if not key:
+            continue
+        if any(_echoes(key, k) for k in keys):
+            repeats += 1
+        keys.append(key)
+    return repeats
+
+
 def judge(text: str, finish_reason: str, threshold: float = 0.35) -> Verdict:
-    """`empty` if nothing but white space came back; `runaway` if it hit max_tokens while repeating."""
+    """`empty` if nothing but white space came back; `runaway` if it repeats a sentence, or repeats its
+    word 6-grams (at least `threshold` of them) while running to max_tokens."""
     if not text.strip():
         return "empty"
-    if finish_reason == "length" and repetition_ratio(text) >= threshold:
+    if repeated_sentences(text) or (finish_reason == "length" and repetition_ratio(text) >= threshold):
         return "runaway"
     return "ok"
 
 
 def collapse_repeats(text: str) -> str:
-    """Keep each sentence or line once, in first-seen order: what is left of a runaway summary."""
-    seen: set[str] = set()
+    """Keep each sentence or line once (a sentence repeating an earlier one goes), in first-seen order:
+    what is left of a runaway summary."""
+    keys: list[tuple[str, ...]] = []
     kept: list[str] = []
-    for piece in re.split(r"(?<=[.!?])\s+|\n+", text):
-        key = re.sub(r"\W+", " ", piece).strip().lower()
-        if key and key not in seen:
-            seen.add(key)
+    for piece in _PIECES.split(text):
+        key = _key(piece)
+        if key and key not in keys and not any(_echoes(key, k) for k in keys):
+            keys.append(key)
             kept.append(piece.strip())
     return " ".join(kept)
+
+
+def drop_seen(text: str, seen: list[tuple[str, ...]]) -> str:
+    """`text` without the sentences (of 4 words or more) that repeat one in `seen` or earlier in `text`;
+    line breaks kept.
+
+    `seen` grows by the sentences kept: the merge passes one list through every chunk's text, so no
+    sentence of a compacted summary repeats another.
+    """
+    lines = []
+    for line in text.splitlines():
+        kept = []
+        for piece in re.split(r"(?<=[.!?])\s+", line):
+            key = _key(piece)
+            if key and any(_echoes(key, k) for k in seen):
+                continue
+            if key:
+                seen.append(key)
+            kept.append(piece.strip())
+        if any(kept):
+            lines.append(" ".join(p for p in kept if p))
+    return "\n".join(lines)

@@ -29,7 +29,7 @@ class ChunkStats(BaseModel):
     failovers: int = Field(description="Times a request moved to another replica after a failure.")
     status: ChunkStatus = Field(
         description="ok; retried (a second attempt was made and a model summary kept); runaway_trimmed "
-        "(repeats collapsed); kept_verbatim (no usable summary, the chunk text kept so nothing is lost); "
+        "(repeated sentences collapsed); kept_verbatim (no usable summary, the chunk text kept so nothing is lost); "
         "extractive_fallback (the summary stayed ungrounded: the chunk's extractive summary instead); "
         "extractive (strategy extractive)."
     )
@@ -53,7 +53,17 @@ class ChunkStats(BaseModel):
         default_factory=list, description="Salient tokens of the kept text found nowhere in its source."
     )
     dropped_sentences: int = Field(
-        default=0, description="Sentences of the kept summary dropped because they stated an invented token."
+        default=0,
+        description="Sentences of the kept summary dropped because they stated an invented token, or facts a "
+        "pinned line states.",
+    )
+    pinned_lines: int = Field(
+        default=0, description="Salient lines of the chunk kept word for word beside its summary (pinned_share)."
+    )
+    content: str | None = Field(
+        default=None,
+        description="What the chunk's tail asked for: tool_output, code, requests or dialogue (chosen by the "
+        "chunk's content), caller (its chunk_instructions entry), or None (tail_by_content off, or no model asked).",
     )
     replica: str | None = Field(default=None, description="Replica that served the kept attempt.")
     reused: bool = Field(
@@ -92,6 +102,11 @@ class CompactionStats(BaseModel):
     carried_summary_tokens: int = Field(
         0, description="Tokens of earlier compaction summaries kept verbatim at the head (not summarised again)."
     )
+    user_words_kept: int = Field(
+        0, description="User messages of the compacted span kept verbatim in the compacted head (user_words_tokens)."
+    )
+    user_words_dropped: int = Field(0, description="User messages of the span over that budget: only summarised.")
+    user_words_tokens: int = Field(0, description="Tokens of the user-words block in the compacted head.")
     empty_or_runaway_chunks: list[int] = Field(description="Chunks whose first summary was empty or a runaway.")
     grounding_threshold: float = Field(default=0.0, description="The grounding threshold applied (0: no check).")
     ungrounded_chunks: list[int] = Field(

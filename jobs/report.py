@@ -154,7 +154,16 @@ def quality(rows: pd.DataFrame) -> pd.DataFrame:
     return table.reset_index()
 
 
-RETENTION_KEYS = ["model", "dataset", "strategy", "layout", "chunk_tokens", "variant", "grounding_threshold"]
+RETENTION_KEYS = [
+    "model",
+    "dataset",
+    "strategy",
+    "option_set",
+    "layout",
+    "chunk_tokens",
+    "variant",
+    "grounding_threshold",
+]
 _SUMS = [
     "facts", "model_summaries", "summaries_ungrounded_first", "summaries_ungrounded_out", "salient_tokens_first",
     "ungrounded_tokens_first", "salient_tokens_out", "ungrounded_tokens_out", "fallback_chunks", "chunks",
@@ -167,18 +176,24 @@ def _share(part: pd.Series, whole: pd.Series) -> pd.Series:
 
 def retention(rows: pd.DataFrame) -> pd.DataFrame:
     """Per compaction setting: recall (exact, judged), summary volume, invented tokens before/after, fallbacks."""
-    runs = rows[rows.event == "retention"]
+    runs = rows[rows.event == "retention"].copy()
     if runs.empty:
         return pd.DataFrame()
+    runs["summary_volume"] = runs.summary_tokens + runs.user_words_tokens.fillna(0)
     facts = rows[rows.event == "fact"].copy()
     facts["exact"] = facts.recalled_exact.astype(float)
     facts["judged"] = facts.judge_correct.astype("boolean").astype(float)
     recall = facts.groupby(RETENTION_KEYS, dropna=False).agg(
-        recall_exact=("exact", "mean"), recall_judged=("judged", "mean"), judge_is_agent=("judge_is_agent_model", "max")
+        recall_exact=("exact", "mean"),
+        recalled=("exact", "sum"),
+        recall_judged=("judged", "mean"),
+        judge_is_agent=("judge_is_agent_model", "max"),
     )
     table = runs.groupby(RETENTION_KEYS, dropna=False).agg(
         histories=("cell_id", "size"),
         summary_tokens=("summary_tokens", "mean"),
+        summary_volume=("summary_volume", "mean"),
+        repeated_sentences=("repeated_sentences", "sum"),
         latency_s=("compaction_latency_s", "mean"),
         **{c: (c, "sum") for c in _SUMS},
     )
@@ -188,7 +203,8 @@ def retention(rows: pd.DataFrame) -> pd.DataFrame:
     table["invented_tokens_before"] = _share(table.ungrounded_tokens_first, table.salient_tokens_first)
     table["invented_tokens_after"] = _share(table.ungrounded_tokens_out, table.salient_tokens_out)
     table["fallback_rate"] = _share(table.fallback_chunks, table.model_summaries)
-    keep = [*RETENTION_KEYS, "histories", "facts", "recall_exact", "recall_judged", "summary_tokens", "latency_s"]
+    keep = [*RETENTION_KEYS, "histories", "facts", "recalled", "recall_exact", "recall_judged", "summary_tokens"]
+    keep += ["summary_volume", "repeated_sentences", "latency_s"]
     keep += ["invented_summaries_before", "invented_summaries_after", "invented_tokens_before"]
     keep += ["invented_tokens_after", "fallback_rate", "judge_is_agent"]
     return table[keep]
@@ -200,27 +216,30 @@ def retention_by_kind(rows: pd.DataFrame) -> pd.DataFrame:
     if facts.empty:
         return pd.DataFrame()
     facts["exact"] = facts.recalled_exact.astype(float)
-    keys = ["dataset", "strategy", "layout", "chunk_tokens", "grounding_threshold"]
+    keys = ["dataset", "strategy", "option_set", "layout", "chunk_tokens", "grounding_threshold"]
+    facts["option_set"] = facts.option_set.fillna("")
     table = facts.pivot_table(index=keys, columns="fact_kind", values="exact", aggfunc="mean", dropna=False)
     return table.dropna(how="all").reset_index().rename_axis(columns=None)
 
 
 def plot_retention(table: pd.DataFrame, path: Path) -> None:
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    """Exact recall vs summary volume (summaries plus the kept user words), one panel per domain."""
+    datasets = sorted(table.dataset.unique())
+    fig, axes = plt.subplots(1, len(datasets), figsize=(4.2 * len(datasets), 4), sharey=True, squeeze=False)
     colours = {"parallel": "tab:blue", "sequential": "tab:orange", "extractive": "tab:green"}
-    markers = {"coding": "o", "locomo": "s"}
-    for axis, column in zip(axes, ("recall_exact", "recall_judged"), strict=True):
-        for (strategy, dataset), group in table.groupby(["strategy", "dataset"]):
-            label = f"{strategy}, {dataset}"
-            colour, marker = colours.get(strategy, "tab:grey"), markers.get(dataset, "^")
-            axis.scatter(group.summary_tokens, group[column], color=colour, marker=marker, label=label, alpha=0.8)
-        axis.set(xlabel="summary tokens kept (mean per compaction)", ylabel=column.replace("_", " "))
+    for axis, dataset in zip(axes[0], datasets, strict=True):
+        for _, row in table[table.dataset == dataset].iterrows():
+            named = isinstance(row.option_set, str) and row.option_set
+            label = f"{row.strategy} ({row.option_set})" if named else str(row.strategy)
+            colour = "tab:grey" if named else colours.get(row.strategy, "tab:purple")
+            threshold = "" if pd.isna(row.grounding_threshold) else f" g{row.grounding_threshold:g}"
+            axis.scatter(row.summary_volume, row.recall_exact, color=colour, s=50, alpha=0.85)
+            axis.annotate(label + threshold, (row.summary_volume, row.recall_exact), fontsize=7,
+                          xytext=(4, 3), textcoords="offset points")  # fmt: skip
+        axis.set(title=dataset, xlabel="summary volume (tokens per compaction)", ylabel="exact recall")
         axis.set_ylim(-0.05, 1.05)
         axis.grid(alpha=0.3)
-    axes[0].set_title("Exact: the fact's string survives")
-    axes[1].set_title("Judged: answered from the compacted history")
-    axes[1].legend(fontsize=7, loc="best")
-    fig.suptitle("Retention: recall vs summary volume per strategy")
+    fig.suptitle("Retention: recall of planted facts vs summary volume, per strategy and domain")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -351,7 +370,9 @@ NOTES = {
     "compaction; background: what was left of it when the turn crossed τ); reused_chunks: chunk summaries "
     "served from the chunk cache.",
     "quality": "Judge accuracy counts parsed verdicts only; judge_is_agent marks a judge that is the agent model.",
-    "retention": "recall_exact: the fact's string occurs in the compacted history; recall_judged: the agent answered "
+    "retention": "recall_exact: the fact's string occurs in the compacted history (recalled: how many facts); "
+    "summary_volume: tokens of the summaries plus the user's words kept verbatim; repeated_sentences: sentences "
+    "of the summaries repeating an earlier one (over all histories); recall_judged: the agent answered "
     "the fact's question from it and the judge agreed (parsed verdicts only; judge_is_agent marks a judge that is "
     "the agent model). invented_*: share of model summaries (or of their salient tokens) stating a salient token "
     "found nowhere in their source, in the first attempt (before) and in the text kept (after the grounding check); "

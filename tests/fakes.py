@@ -56,3 +56,7 @@ class FakeBackend:
             latency_s=0.0,
             replica="fake",
         )
+
+
+# Options for tests of the model summaries alone: no pinned lines, no user words in the head.
+PLAIN = {"pinned_share": 0.0, "user_words_tokens": 0}

@@ -10,7 +10,7 @@ from compaction.backend import GenerationRequest
 from compaction.compactor import SUMMARY_HEADER, Compactor
 from compaction.errors import BackendError, ContextOverflow, InvalidInput
 from compaction.tokenizer import HFChatTokenizer
-from tests.fakes import FakeBackend
+from tests.fakes import PLAIN, FakeBackend
 
 
 def history(turns: int = 40) -> list[dict]:
@@ -32,7 +32,7 @@ async def test_parallel_merges_in_chunk_order_and_keeps_system(tokenizer: HFChat
 
     compactor, backend = make(tokenizer, script=by_chunk)
     # the check off: the fake's labels S0, S1, ... occur nowhere in the history
-    result = await compactor.compact(history(), {"chunk_tokens": 128, "grounding_threshold": 0})
+    result = await compactor.compact(history(), {"chunk_tokens": 128, "grounding_threshold": 0, **PLAIN})
     n = result.stats.chunks
     assert n == len(backend.requests) > 3
     assert result.summary == "\n\n".join(f"S{k}." for k in range(n))
@@ -54,11 +54,14 @@ async def test_prefix_exact_reaches_the_floor_and_paper_does_not(tokenizer: HFCh
 
 async def test_budgets_reach_the_backend(tokenizer: HFChatTokenizer) -> None:
     compactor, backend = make(tokenizer)
-    await compactor.compact(history(), {"chunk_tokens": 256, "max_chunk_summary_tokens": 33})
+    await compactor.compact(history(), {"chunk_tokens": 256, "max_chunk_summary_tokens": 33, **PLAIN})
     assert {r.max_tokens for r in backend.requests} == {33} and {r.min_tokens for r in backend.requests} == {0}
+    compactor, backend = make(tokenizer)  # the default pinned_share leaves the model a quarter of the budget
+    await compactor.compact(history(), {"chunk_tokens": 256, "max_chunk_summary_tokens": 40})
+    assert {r.max_tokens for r in backend.requests} == {10}
     compactor, backend = make(tokenizer)
     await compactor.compact(
-        history(), {"strategy": "sequential", "max_chunk_summary_tokens": 99, "fixed_output_tokens": True}
+        history(), {"strategy": "sequential", "max_chunk_summary_tokens": 99, "fixed_output_tokens": True, **PLAIN}
     )
     assert [(r.max_tokens, r.min_tokens) for r in backend.requests] == [(99, 99)]
 
@@ -86,7 +89,7 @@ async def test_runaway_is_retried_then_trimmed_and_empty_is_kept_verbatim(tokeni
         return "fine.", "stop"
 
     compactor, backend = make(tokenizer, script=script)
-    result = await compactor.compact(history(), {"chunk_tokens": 128})
+    result = await compactor.compact(history(), {"chunk_tokens": 128, **PLAIN})
     status = [c.status for c in result.stats.per_chunk]
     assert status[:4] == ["runaway_trimmed", "kept_verbatim", "retried", "ok"]
     assert result.stats.empty_or_runaway_chunks == [0, 1, 2]

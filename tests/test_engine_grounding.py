@@ -9,6 +9,7 @@ import pytest
 from compaction.compactor import Compactor
 from compaction.grounding import Source
 from compaction.history import parse_messages, template_view
+from compaction.quality import repeated_sentences
 from compaction.tokenizer import HFChatTokenizer
 from jobs.data.facts import coding_history
 
@@ -30,3 +31,17 @@ async def test_no_invented_salient_token_reaches_the_summary(engine: Any, tokeni
     tails = [tokenizer.decode(p.tail) for p in plan.prompts]
     source = Source(*(template_view(m)["content"] for m in parse_messages(known.messages)), *tails)
     assert source.check(result.summary).ungrounded == ()
+
+
+async def test_the_agents_needs_survive_a_real_compaction(engine: Any, tokenizer: HFChatTokenizer) -> None:
+    """Defaults on SmolLM2: the user's constraint verbatim, pinned lines, content-chosen tails, no loop."""
+    known = coding_history(1, 2048, tokenizer)
+    compactor = Compactor(tokenizer, engine, context_window=engine.max_model_len, block_size=engine.block_size)
+    result = await compactor.compact(known.messages, {"chunk_tokens": 512, "max_chunk_summary_tokens": 48})
+    stats = result.stats
+    constraint = next(f for f in known.facts if f.kind == "constraint")
+    assert constraint.text in result.messages[1].text() and stats.user_words_kept >= 1
+    assert sum(c.pinned_lines for c in stats.per_chunk) > 0
+    assert {c.content for c in stats.per_chunk} <= {"tool_output", "code", "requests", "dialogue"}
+    assert repeated_sentences(result.summary) == 0
+    assert all(c.ungrounded == [] for c in stats.per_chunk)

@@ -6,7 +6,7 @@ from compaction.backend import GenerationRequest
 from compaction.compactor import Compactor
 from compaction.grounding import salient_tokens
 from compaction.tokenizer import HFChatTokenizer
-from tests.fakes import FakeBackend
+from tests.fakes import PLAIN, FakeBackend
 from tests.test_compactor import history
 
 INVENTED = "The GolfBridge project is funded by the NSF."
@@ -27,7 +27,7 @@ def script(request: GenerationRequest) -> tuple[str, str]:
 async def test_nothing_invented_reaches_the_output(tokenizer: HFChatTokenizer) -> None:
     backend = FakeBackend(script=script)
     compactor = Compactor(tokenizer, backend, context_window=8192, block_size=16)
-    result = await compactor.compact(history(), {"chunk_tokens": 128})
+    result = await compactor.compact(history(), {"chunk_tokens": 128, **PLAIN})
     stats = result.stats
     chunks = stats.per_chunk
     assert [c.status for c in chunks[:4]] == ["extractive_fallback", "retried", "ok", "ok"]
@@ -53,7 +53,7 @@ async def test_nothing_invented_reaches_the_output(tokenizer: HFChatTokenizer) -
 async def test_threshold_zero_keeps_the_model_text_and_still_scores_it(tokenizer: HFChatTokenizer) -> None:
     backend = FakeBackend(script=script)
     compactor = Compactor(tokenizer, backend, context_window=8192, block_size=16)
-    result = await compactor.compact(history(), {"chunk_tokens": 128, "grounding_threshold": 0})
+    result = await compactor.compact(history(), {"chunk_tokens": 128, "grounding_threshold": 0, **PLAIN})
     chunks = result.stats.per_chunk
     assert len(backend.requests) == len(chunks)  # no retries for grounding
     assert chunks[0].status == "ok" and chunks[0].first_grounding == 0.0 and chunks[0].grounding == 0.0

@@ -12,7 +12,7 @@ from jobs.agent.pipeline import AgentPipeline, AgentSettings, question_prompt
 from jobs.data.conversations import SHARED_DATA
 from jobs.data.datasets import load_hotpotqa
 from jobs.data.episodes import Document, Question, Step, hotpotqa_steps
-from tests.fakes import FakeBackend
+from tests.fakes import PLAIN, FakeBackend
 
 HOTPOT = SHARED_DATA / "hotpotqa_dev_distractor_sample100.json"
 
@@ -32,7 +32,9 @@ def stream() -> list[Step]:
 
 
 def settings(**kw: Any) -> AgentSettings:
-    options = CompactionOptions(chunk_tokens=kw.pop("chunk_tokens", 256), strategy=kw.pop("strategy", "parallel"))
+    options = CompactionOptions(
+        chunk_tokens=kw.pop("chunk_tokens", 256), strategy=kw.pop("strategy", "parallel"), **kw.pop("extra", {})
+    )
     return AgentSettings(tau=kw.pop("tau", 600), compaction=options, summary_tokens=64, answer_tokens=8, **kw)
 
 
@@ -78,7 +80,8 @@ async def test_answer_prompt_is_the_rendered_history_with_a_generation_prompt(to
 async def test_summary_budget_is_split_over_chunks_for_matched_volume(tokenizer) -> None:
     for strategy in ("sequential", "parallel"):
         backend = FakeBackend(script=by_kind)
-        pipeline = AgentPipeline(tokenizer, backend, settings(strategy=strategy, tau=400), context_window=8192)
+        plain = settings(strategy=strategy, tau=400, extra=PLAIN)
+        pipeline = AgentPipeline(tokenizer, backend, plain, context_window=8192)
         episode = await pipeline.run(stream()[:4])
         first = next(t.compaction for t in episode.turns if t.compaction)
         budgets = [r.max_tokens for r in backend.requests if r.request_id.startswith("chunk")][: first.chunks]

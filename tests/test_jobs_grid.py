@@ -92,9 +92,12 @@ BASE = {
         ({"experiments": [{"name": "r", "kind": "retention", "datasets": ["coding"]}]}, "needs input_tokens"),
         (
             {"experiments": [{"name": "r", "kind": "retention", "datasets": ["hotpotqa"], "input_tokens": [9]}]},
-            "coding traces and LoCoMo",
+            "coding and analysis traces and LoCoMo",
         ),
-        ({"experiments": [{**BASE["experiments"][0], "datasets": ["coding"]}]}, "coding traces are for retention"),
+        (
+            {"experiments": [{**BASE["experiments"][0], "datasets": ["coding"]}]},
+            "coding and analysis traces are for retention",
+        ),
         (
             {"experiments": [{**BASE["experiments"][0], "grounding_thresholds": [1.5]}]},
             "grounding_thresholds must lie in [0, 1]",

@@ -7,6 +7,7 @@ import itertools
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from compaction.chunk_content import INSTRUCTIONS
 from compaction.history import parse_messages, render_history
 from compaction.layouts import SEGMENT, TARGET, build_prompts, prefill_floor
 from compaction.options import CompactionOptions
@@ -93,10 +94,14 @@ def test_tail_names_target_and_budget(tokenizer: HFChatTokenizer) -> None:
     messages = [{"role": "user", "content": " ".join(WORDS * 12)}]
     rendered = render_history(parse_messages(messages), tokenizer)
     chunks = partition(0, len(rendered.token_ids), 64, 16)
-    options = CompactionOptions(chunk_tokens=64, max_chunk_summary_tokens=100, chunk_instructions={1: "Name the city."})
+    options = CompactionOptions(
+        chunk_tokens=64, max_chunk_summary_tokens=100, chunk_instructions={1: "Name the city."}, pinned_share=0
+    )
     prompts = build_prompts(rendered, tokenizer, options, chunks, len(rendered.token_ids))
     tail = tokenizer.decode(prompts[1].tail)
     assert "part 2 of the conversation" in tail and "at most 60 words" in tail and "Name the city." in tail
+    # the caller's entry replaces the content-chosen instructions; the other chunks get theirs
+    assert INSTRUCTIONS["requests"] not in tail and INSTRUCTIONS["requests"] in tokenizer.decode(prompts[0].tail)
     assert str(len(chunks)) not in tail  # a chunk's tail does not change when the history grows
     assert "Name the city." not in tokenizer.decode(prompts[0].tail)
     assert tokenizer.decode(prompts[0].tail).endswith("assistant\n")

@@ -5,7 +5,7 @@ def test_loop_that_hits_the_limit_is_runaway() -> None:
     loop = "Caroline went to the support group. " * 20
     assert repetition_ratio(loop) > 0.8
     assert judge(loop, "length") == "runaway"
-    assert judge(loop, "stop") == "ok"  # a repetitive text that ended on its own is left alone
+    assert judge(loop, "stop") == "runaway"  # a repeated sentence is a loop even when it ended on its own
 
 
 def test_varied_text_at_the_limit_is_ok() -> None:

@@ -99,9 +99,14 @@ def test_retention_cells_measure_recall_and_invention_and_report_them(tmp_path: 
             run = runs.loc[(dataset, strategy)]
             assert run.summaries_ungrounded_first == run.model_summaries == run.chunks > 0  # every first attempt
             assert run.summaries_ungrounded_out == run.fallback_chunks == 0  # the retries were grounded
-            assert run.recall_exact == 0.0  # "Tests ran." holds no fact
+
         assert runs.loc[(dataset, "extractive")].model_summaries == 0
     assert runs.loc[("coding", "extractive")].recall_exact > 0  # verbatim lines keep planted strings
+    # "Tests ran." holds no fact: what parallel and sequential keep comes from the pinned lines and the user's words
+    model = runs.loc["coding"].loc[["parallel", "sequential"]]
+    assert (model.pinned_lines > 0).all() and (runs.loc["coding"].user_words_kept > 0).all()
+    constraint = facts[(facts.dataset == "coding") & (facts.fact_kind == "constraint")]
+    assert constraint.recalled_exact.all()  # the user's constraint, verbatim in every run
     assert set(facts.judge_correct) == {False} and set(facts.judge_is_agent_model) == {True}
     assert set(facts[facts.dataset == "coding"].fact_kind) == {
         "constraint", "failing_test", "command", "root_cause", "fix"

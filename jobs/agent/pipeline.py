@@ -20,6 +20,7 @@ from compaction.compactor import Compactor
 from compaction.history import ChatTokenizer, Message, parse_messages, template_view
 from compaction.options import CompactionOptions
 from compaction.result import CompactionStats
+from compaction.user_words import budget as user_words_budget
 from jobs.data.episodes import Document, Question, Step
 
 SYSTEM_PROMPT = (
@@ -95,13 +96,17 @@ def matched_options(
 ) -> CompactionOptions:
     """The options with a whole-compaction budget split evenly over this history's chunks.
 
-    Sequential gets all of it in its one prompt; parallel (and extractive) with N chunks gets
-    budget // N per chunk (at least 16), so every strategy writes about the same volume.
+    The user's words kept verbatim count against the budget (at most a quarter of it): the rest is split,
+    sequential getting all of it in its one prompt, parallel (and extractive) with N chunks getting
+    rest // N per chunk (at least 16), so every strategy writes about the same volume.
     """
-    chunks = 1
-    if options.strategy != "sequential":
-        chunks = len(compactor.plan(history, options).chunks)
-    per_chunk = max(MIN_CHUNK_SUMMARY_TOKENS, summary_tokens // chunks)
+    words_budget = min(user_words_budget(options, compactor.context_window), summary_tokens // 4)
+    options = options.model_copy(update={"user_words_tokens": words_budget})
+    plan = compactor.plan(history, options)
+    words = compactor.user_words(plan)
+    rest = summary_tokens - (len(compactor.tokenizer.encode(words.render())) if words.texts else 0)
+    chunks = 1 if options.strategy == "sequential" else len(plan.chunks)
+    per_chunk = max(MIN_CHUNK_SUMMARY_TOKENS, rest // chunks)
     return options.model_copy(update={"max_chunk_summary_tokens": per_chunk})
 
 

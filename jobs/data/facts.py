@@ -2,6 +2,8 @@
 
 - Coding-agent traces (`jobs.data.traces`): five planted facts per trace (the failing test, the
   root cause, the user's constraint, the chosen fix, the reproduction command).
+- Data-analysis agent traces (`jobs.data.analysis_traces`): six (the user's requirement and
+  follow-up, the answering query, a metric, an explained anomaly, the conclusion).
 - LoCoMo conversations: questions of categories 1-4 whose gold answer is spelled out in one of
   their evidence turns (`D3:12` names session 3, turn 12), within the snapshot. Answers that
   only follow from the evidence (dates computed from "yesterday", yes/no) cannot be checked by
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from compaction.history import ChatTokenizer
+from jobs.data.analysis_traces import analysis_trace
 from jobs.data.conversations import locomo_messages, locomo_session_numbers, truncate_history
 from jobs.data.datasets import LocomoSample
 from jobs.data.traces import coding_trace
@@ -48,6 +51,12 @@ def coding_history(seed: int, tokens: int, tokenizer: ChatTokenizer) -> KnownHis
     trace = coding_trace(seed, tokens, tokenizer)
     facts = [Fact(f.kind, f.text, f.question, f.message_index) for f in trace.facts]
     return KnownHistory(trace.messages, facts, f"coding seed {seed}")
+
+
+def analysis_history(seed: int, tokens: int, tokenizer: ChatTokenizer) -> KnownHistory:
+    trace = analysis_trace(seed, tokens, tokenizer)
+    facts = [Fact(f.kind, f.text, f.question, f.message_index) for f in trace.facts]
+    return KnownHistory(trace.messages, facts, f"analysis seed {seed}")
 
 
 def _turn_indices(conversation: dict[str, Any]) -> dict[str, int]:

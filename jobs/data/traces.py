@@ -53,7 +53,7 @@ QUESTIONS: dict[FactKind, str] = {
 
 @dataclass(frozen=True)
 class PlantedFact:
-    kind: FactKind
+    kind: str  # a FactKind for coding traces (other generators plant other kinds)
     text: str  # the exact string planted; exact-string recall = it occurs in the compacted history
     question: str  # a question whose answer is `text` (for judged recall)
     message_index: int  # the message it was planted in (the only message that holds it)
@@ -66,12 +66,11 @@ class CodingTrace:
     seed: int
 
 
-class _Session:
+class Session:
     """Builds one session's messages; tool call ids and every choice come from one seeded generator."""
 
-    def __init__(self, rng: random.Random, project: Project) -> None:
+    def __init__(self, rng: random.Random) -> None:
         self.rng = rng
-        self.project = project
         self.messages: list[dict[str, Any]] = []
 
     def say(self, role: str, content: str) -> int:
@@ -90,6 +89,16 @@ class _Session:
         for i, (_, _, result) in zip(ids, calls, strict=True):
             self.messages.append({"role": "tool", "tool_call_id": i, "content": result})
         return at
+
+    def filler(self) -> None:
+        """One step that states no planted fact (each generator's own)."""
+        raise NotImplementedError
+
+
+class _CodingSession(Session):
+    def __init__(self, rng: random.Random, project: Project) -> None:
+        super().__init__(rng)
+        self.project = project
 
     def read(self, module: str) -> tuple[str, dict[str, Any], str]:
         path = f"src/{self.project.name}/{module}.py"
@@ -132,7 +141,7 @@ SYSTEM = (
 )
 
 
-class _Counter:
+class TokenCounter:
     """Running token count of a growing session, as the model's chat template renders it.
 
     Only new messages are rendered (after the session's system message, which is subtracted), so
@@ -162,7 +171,8 @@ class _Counter:
         return self.total
 
 
-def _grow(session: _Session, count: _Counter, until: int) -> None:
+def grow_until(session: Session, count: TokenCounter, until: int) -> None:
+    """Add the session's filler steps until it holds `until` tokens."""
     while count(session.messages) < until:
         session.filler()
 
@@ -174,9 +184,9 @@ def coding_trace(seed: int = 0, target_tokens: int = 20_000, tokenizer: ChatToke
     bug: Bug = rng.choice(project.bugs)
     constraint = rng.choice(CONSTRAINTS).format(api=project.api)
     command = f"python -m pytest {bug.test_id.split('::')[0]} -x -q -rN -k {bug.keyword}"
-    s = _Session(rng, project)
+    s = _CodingSession(rng, project)
     s.say("system", SYSTEM.format(name=project.name))
-    count = _Counter(tokenizer, s.messages[0])
+    count = TokenCounter(tokenizer, s.messages[0])
     planted: dict[FactKind, tuple[str, int]] = {}
     task = (
         f"The test suite of {project.name} ({project.purpose}) started failing after the last merge. "
@@ -186,29 +196,29 @@ def coding_trace(seed: int = 0, target_tokens: int = 20_000, tokenizer: ChatToke
     s.call(("list_dir", {"path": f"src/{project.name}"}, listing(rng, project)))
     run = ("run_command", {"command": "python -m pytest -q"}, failing_run(rng, project, bug))
     planted["failing_test"] = bug.test_id, s.call(run, content="I will start by running the test suite.") + 1
-    _grow(s, count, int(0.25 * target_tokens))
+    grow_until(s, count, int(0.25 * target_tokens))
     repro = ("run_command", {"command": command}, reproduction_output(rng, bug))
     planted["command"] = command, s.call(repro, content="Reproducing the failure on its own.")
-    _grow(s, count, int(0.48 * target_tokens))
+    grow_until(s, count, int(0.48 * target_tokens))
     s.call(s.read(bug.module))
     cause = f"Found it: {bug.root_cause}. That explains the assertion in the failing test."
     planted["root_cause"] = bug.root_cause, s.say("assistant", cause)
-    _grow(s, count, int(0.68 * target_tokens))
+    grow_until(s, count, int(0.68 * target_tokens))
     planted["fix"] = bug.fix, s.say("assistant", f"The plan: {bug.fix}. It is the smallest change that fixes it.")
     path = f"src/{project.name}/{bug.module}.py"
     edit = {"path": path, "old": "# see above", "new": bug.fixed_line}
     s.call(("edit_file", edit, f"Applied 1 edit to {path} (+2 -1)."))
     ending = _ending(rng, project, path)
-    _grow(s, count, target_tokens - count.of(ending))
+    grow_until(s, count, target_tokens - count.of(ending))
     s.messages += ending
     facts = [PlantedFact(kind, text, QUESTIONS[kind], index) for kind, (text, index) in planted.items()]
-    _check_planted(s.messages, facts)
+    check_planted(s.messages, facts)
     return CodingTrace(s.messages, sorted(facts, key=lambda f: f.message_index), seed)
 
 
 def _ending(rng: random.Random, project: Project, path: str) -> list[dict[str, Any]]:
     """The passing run, the agent's report and the user's next request."""
-    end = _Session(rng, project)
+    end = _CodingSession(rng, project)
     total = rng.randint(90, 180)
     end.call(("run_command", {"command": "python -m pytest -q"}, f"{'.' * 60} [100%]\n{total} passed in 3.1s"))
     end.say("assistant", f"All {total} tests pass now. The change is limited to {path}; nothing else was touched.")
@@ -216,7 +226,7 @@ def _ending(rng: random.Random, project: Project, path: str) -> list[dict[str, A
     return end.messages
 
 
-def _check_planted(messages: list[dict[str, Any]], facts: list[PlantedFact]) -> None:
+def check_planted(messages: list[dict[str, Any]], facts: list[PlantedFact]) -> None:
     """Every fact occurs in its own message and in no other (a generator bug otherwise)."""
     texts = [template_view(m)["content"] for m in parse_messages(messages)]
     for fact in facts:

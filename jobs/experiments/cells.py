@@ -21,6 +21,7 @@ from compaction.backend import Backend
 from compaction.compactor import Compactor
 from compaction.errors import InvalidInput
 from compaction.history import ChatTokenizer, Message, parse_messages
+from compaction.quality import repeated_sentences
 from compaction.tokenizer import HFChatTokenizer
 from jobs.agent.judge import Grade, Judge
 from jobs.agent.metrics import score_answer
@@ -28,7 +29,7 @@ from jobs.agent.pipeline import AgentPipeline, AgentSettings, Episode, Turn, mat
 from jobs.data.conversations import locomo_messages, truncate_history
 from jobs.data.datasets import LocomoSample, load_hotpotqa, load_locomo, load_locomo_mc
 from jobs.data.episodes import Question, Step, hotpotqa_steps, locomo_mc_steps, locomo_steps
-from jobs.data.facts import KnownHistory, coding_history, locomo_history
+from jobs.data.facts import KnownHistory, analysis_history, coding_history, locomo_history
 from jobs.experiments.chat_agent import chat_agent_rows
 from jobs.experiments.grid import Cell
 from jobs.experiments.results import compaction_columns, to_table
@@ -79,6 +80,7 @@ def base_row(cell: Cell, access: ModelAccess, cold: bool) -> dict[str, Any]:
         "backend": access.label,
         "cold_start": cold,
         "mode": cell.mode,
+        "option_set": cell.option_set,
     }
 
 
@@ -112,10 +114,13 @@ async def summary_rows(
 
 
 def known_history(cell: Cell, paths: dict[str, str], tokenizer: ChatTokenizer) -> KnownHistory:
-    """A coding trace (seed = repeat) or a LoCoMo conversation (the repeat-th from sample_id) of the cell's size."""
+    """A coding or analysis trace (seed = repeat) or a LoCoMo conversation (the repeat-th from sample_id) of the
+    cell's size."""
     size = cell.input_tokens or 0
     if cell.dataset == "coding":
         return coding_history(cell.repeat, size, tokenizer)
+    if cell.dataset == "analysis":
+        return analysis_history(cell.repeat, size, tokenizer)
     samples = load_locomo(paths["locomo"])
     start = next((i for i, s in enumerate(samples) if s.sample_id == cell.sample_id), 0)
     return locomo_history(samples[(start + cell.repeat) % len(samples)], size, tokenizer)
@@ -142,6 +147,7 @@ async def retention_rows(
     stats = result.stats
     base = {**base_row(cell, access, cold), "label": known.label, "grounding_threshold": stats.grounding_threshold}
     measured = {**compaction_columns(stats), **grounding_columns(stats), **totals(results)}
+    measured["repeated_sentences"] = repeated_sentences(result.summary)
     rows = [{**base, "event": "retention", **measured, "summary_text": result.summary}]
     return rows + [{**base, **row} for row in fact_rows(results, judge.name if judge else None, cell.model)]
 

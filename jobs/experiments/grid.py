@@ -14,7 +14,7 @@ import hashlib
 import itertools
 import json
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -27,8 +27,8 @@ from jobs.agent.tools import ToolTime
 from serving.models import Catalogue
 
 Kind = Literal["summary", "agent", "retention", "chat_agent"]
-DatasetName = Literal["hotpotqa", "locomo", "locomo_mc", "coding"]
-GENERATED: frozenset[str] = frozenset({"coding"})  # made by jobs.data.traces, no file to read
+DatasetName = Literal["hotpotqa", "locomo", "locomo_mc", "coding", "analysis"]
+GENERATED: frozenset[str] = frozenset({"coding", "analysis"})  # made by jobs.data generators, no file to read
 # Layouts whose prompts carry the history before the chunk: they need the whole snapshot within the window.
 WINDOWED_LAYOUTS = frozenset({"sequential", "prefix_exact", "prefix_exact_marked", "paper", "shared_full"})
 FIXTURES = Path(__file__).resolve().parents[1] / "data" / "fixtures"
@@ -80,7 +80,9 @@ class Experiment(BaseModel):
         "agent through a running service's /v1/chat/completions, compacted server-side (backend: service)."
     )
     datasets: list[DatasetName] = Field(
-        min_length=1, description="summary: LoCoMo only; retention: coding and/or locomo; agent: the QA sets."
+        min_length=1,
+        description="summary: LoCoMo only; retention: coding, analysis (generated agent sessions) and/or locomo; "
+        "agent: the QA sets.",
     )
     strategies: list[Strategy] = Field(["parallel"], min_length=1)
     chunk_tokens: list[int] = Field([2048], min_length=1, description="Chunk sizes B (parallel only).")
@@ -121,6 +123,11 @@ class Experiment(BaseModel):
     sample_id: str | None = Field(None, description="LoCoMo conversation (default: the first).")
     judge: bool = Field(True, description="agent, retention: grade free-form answers with the LLM judge.")
     concurrency: int = Field(1, ge=1, le=64, description="Cells of this block run at once per model (1 = timed).")
+    option_sets: dict[str, dict[str, Any]] | None = Field(
+        None,
+        description="retention: named sets of compaction options, an axis of the block (e.g. {default: {}, "
+        "baseline: {pinned_share: 0}}); the name is the rows' option_set. None: the defaults alone.",
+    )
 
     @model_validator(mode="after")
     def _axes(self) -> Experiment:
@@ -135,10 +142,17 @@ class Experiment(BaseModel):
             raise ValueError(f"{self.name}: a {self.kind} experiment needs input_tokens")
         if self.kind == "summary" and self.datasets != ["locomo"]:
             raise ValueError(f"{self.name}: summary experiments compact LoCoMo conversations (datasets: [locomo])")
-        if self.kind == "retention" and not set(self.datasets) <= {"coding", "locomo"}:
-            raise ValueError(f"{self.name}: retention experiments read coding traces and LoCoMo (datasets)")
-        if self.kind != "retention" and "coding" in self.datasets:
-            raise ValueError(f"{self.name}: coding traces are for retention experiments")
+        if self.kind == "retention" and not set(self.datasets) <= {"locomo", *GENERATED}:
+            raise ValueError(f"{self.name}: retention experiments read coding and analysis traces and LoCoMo")
+        if self.kind != "retention" and GENERATED & set(self.datasets):
+            raise ValueError(f"{self.name}: coding and analysis traces are for retention experiments")
+        if self.option_sets and self.kind != "retention":
+            raise ValueError(f"{self.name}: option_sets are for retention experiments")
+        for name, overrides in (self.option_sets or {}).items():
+            try:
+                CompactionOptions.model_validate(overrides)
+            except ValidationError as exc:
+                raise ValueError(f"{self.name}: option_sets.{name}: {exc.errors()[0]['msg']}") from exc
         if any(not 0 <= t <= 1 for t in self.grounding_thresholds or []):
             raise ValueError(f"{self.name}: grounding_thresholds must lie in [0, 1]")
         return self
@@ -200,10 +214,12 @@ class Cell(BaseModel):
     mode: ChatMode | None = None  # chat_agent: how the service compacts (None elsewhere; ids unchanged)
     background_threshold: int | None = None  # chat_agent, background_parallel: the soft threshold
     tool_time: str | None = None  # chat_agent: jobs.agent.tools.ToolTime spec
+    option_set: str | None = None  # retention: the name of the cell's option set (None: the defaults)
+    overrides: dict[str, Any] | None = None  # its compaction options
 
     @property
     def cell_id(self) -> str:
-        optional = ("grounding_threshold", "mode", "background_threshold", "tool_time")
+        optional = ("grounding_threshold", "mode", "background_threshold", "tool_time", "option_set", "overrides")
         params = {k: v for k, v in self.model_dump().items() if k not in optional or v is not None}
         digest = hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()[:10]
         shape = {"sequential": "seq", "extractive": f"ext{self.chunk_tokens}"}.get(
@@ -212,12 +228,14 @@ class Cell(BaseModel):
         size = f"tau{self.tau}" if self.tau is not None else f"in{self.input_tokens}"
         threshold = "" if self.grounding_threshold is None else f"-g{self.grounding_threshold:g}"
         where = self.dataset if self.mode is None else f"{self.dataset}-{self.mode}"
+        where += f"-{self.option_set}" if self.option_set else ""
         return f"{self.experiment}-{where}-{shape}-{size}-{self.variant}{threshold}-r{self.repeat}-{digest}"
 
     def compaction_options(self) -> CompactionOptions:
         parallel = self.strategy == "parallel"
         threshold = {} if self.grounding_threshold is None else {"grounding_threshold": self.grounding_threshold}
         return CompactionOptions(
+            **(self.overrides or {}),
             **threshold,
             strategy=self.strategy,
             chunk_tokens=self.chunk_tokens or CompactionOptions.model_fields["chunk_tokens"].default,
@@ -273,10 +291,11 @@ def expand(config: SweepConfig, catalogue: Catalogue) -> Expansion:
         agentic = e.kind in ("agent", "chat_agent")
         sizes = e.taus if agentic else e.input_tokens
         thresholds: list[float | None] = [*e.grounding_thresholds] if e.grounding_thresholds else [None]
+        sets: list[tuple[str | None, dict[str, Any] | None]] = [*(e.option_sets or {}).items()] or [(None, None)]
         axes = itertools.product(
-            config.models, e.datasets, _shapes(e), sizes or [], e.variants, thresholds, range(e.repeats)
+            config.models, e.datasets, _shapes(e), sizes or [], e.variants, thresholds, sets, range(e.repeats)
         )
-        for model, dataset, (mode, strategy, chunk, layout), size, variant, threshold, repeat in axes:
+        for model, dataset, (mode, strategy, chunk, layout), size, variant, threshold, options, repeat in axes:
             judged = config.judges and e.kind != "summary" and e.judge
             judge = pick_judge(model, config.judges) if judged else None
             cell = Cell(
@@ -304,6 +323,8 @@ def expand(config: SweepConfig, catalogue: Catalogue) -> Expansion:
                 mode=mode,
                 background_threshold=int(size * e.background_share) if mode == "background_parallel" else None,
                 tool_time=e.tool_time if e.kind == "chat_agent" else None,
+                option_set=options[0],
+                overrides=options[1],
             )
             window = config.backend.max_model_len or catalogue.get(model).max_model_len
             need = size + e.summary_tokens + config.window_headroom_tokens

@@ -50,6 +50,7 @@ SCHEMA = pa.schema(
         pa.field("backend", _S, nullable=False),
         pa.field("cold_start", _B, nullable=False),
         pa.field("mode", _S),  # chat_agent: none, blocking_sequential, blocking_parallel, background_parallel
+        pa.field("option_set", _S),  # retention: the named set of compaction options (None: the defaults)
         # one agent turn
         pa.field("turn_index", _I),
         pa.field("step", _S),
@@ -80,6 +81,10 @@ SCHEMA = pa.schema(
         pa.field("compaction_latency_s", _F),
         pa.field("retries", _I),
         pa.field("bad_chunks", _I),
+        pa.field("user_words_kept", _I),  # user messages kept verbatim in the compacted head
+        pa.field("user_words_tokens", _I),
+        pa.field("pinned_lines", _I),  # chunk lines kept word for word beside the summaries
+        pa.field("repeated_sentences", _I),  # sentences of the kept summary that repeat an earlier one
         pa.field("summary_text", _S),
         # grounding of one compaction (retention rows): first model attempts vs the kept texts
         pa.field("grounding_threshold", _F),
@@ -147,6 +152,9 @@ def compaction_columns(stats: CompactionStats) -> dict[str, Any]:
         "compaction_latency_s": stats.latency_s,
         "retries": stats.retries,
         "bad_chunks": len(stats.empty_or_runaway_chunks),
+        "user_words_kept": stats.user_words_kept,
+        "user_words_tokens": stats.user_words_tokens,
+        "pinned_lines": sum(c.pinned_lines for c in stats.per_chunk),
     }
 
 

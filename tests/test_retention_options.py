@@ -1,0 +1,127 @@
+"""What a compaction keeps for the agent: the user's words, pinned lines, content-chosen tails, no loops (pure)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from compaction.backend import GenerationRequest
+from compaction.chunk_content import INSTRUCTIONS, classify
+from compaction.compactor import SUMMARY_HEADER, Compactor
+from compaction.extractive import segments
+from compaction.history import parse_messages, render_history
+from compaction.partition import Chunk
+from compaction.pinning import ChunkText, pin
+from compaction.quality import collapse_repeats, judge, repeated_sentences
+from compaction.tokenizer import HFChatTokenizer
+from compaction.user_words import USER_WORDS_HEADER, keep
+from jobs.data.analysis_traces import analysis_trace
+from jobs.data.traces import coding_trace
+from tests.fakes import FakeBackend
+
+DEMO_LOOP = "I'm so glad you're doing great. I'm so glad you're doing great too. I'm so glad y"
+
+
+def test_a_repeated_sentence_is_a_runaway_even_when_the_summary_stopped() -> None:
+    assert repeated_sentences(DEMO_LOOP) == 2  # the last one cut inside a word by max_tokens
+    assert judge(DEMO_LOOP, "stop") == "runaway"
+    assert collapse_repeats(DEMO_LOOP) == "I'm so glad you're doing great."
+    varied = "Caroline went to a support group. Melanie painted a lake. Caroline went to the beach on Monday."
+    assert repeated_sentences(varied) == 0 and judge(varied, "stop") == "ok"
+    assert judge("Thanks. Thanks. All good.", "stop") == "ok"  # short sentences may repeat
+
+
+def _rendered(tokenizer: HFChatTokenizer, messages: list[dict[str, Any]]) -> Any:
+    return render_history(parse_messages(messages), tokenizer)
+
+
+def test_the_classifier_names_what_a_chunk_holds(tokenizer: HFChatTokenizer) -> None:
+    call = {"id": "c1", "type": "function", "function": {"name": "run", "arguments": "{}"}}
+    log = "\n".join(f"2026-01-0{i % 9 + 1} worker {i} heartbeat ok" for i in range(40))
+    code = "\n".join(["def load(path):", "    with open(path) as f:", "        return f.read()"] * 12)
+    cases = {
+        "tool_output": [{"role": "assistant", "content": None, "tool_calls": [call]},
+                        {"role": "tool", "tool_call_id": "c1", "content": log}],
+        "code": [{"role": "assistant", "content": None, "tool_calls": [call]},
+                 {"role": "tool", "tool_call_id": "c1", "content": code}],
+        "requests": [{"role": "user", "content": "Please keep the API stable and never touch vendor/. " * 6},
+                     {"role": "assistant", "content": "Understood."}],
+        "dialogue": [{"role": "user", "content": "How was the trip to Lisbon with your sister last week?"},
+                     {"role": "assistant", "content": "Wonderful, we walked up to the castle and ate far too much."}],
+    }  # fmt: skip
+    for kind, messages in cases.items():
+        history = _rendered(tokenizer, messages)
+        assert classify(history, Chunk(0, 0, len(history.token_ids))) == kind
+        assert INSTRUCTIONS[kind]
+
+
+def test_user_words_keep_the_newest_distinct_messages_in_order(tokenizer: HFChatTokenizer) -> None:
+    messages = parse_messages(
+        [
+            {"role": "user", "content": "First: keep Python 3.8 compatibility."},
+            {"role": "assistant", "content": "Noted."},
+            {"role": "user", "content": "Second request " + "word " * 200},
+            {"role": "user", "content": "First: keep Python 3.8 compatibility."},
+            {"role": "user", "content": f"{SUMMARY_HEADER}\nan earlier summary"},
+            {"role": "user", "content": "Third: add a CHANGELOG entry."},
+        ]
+    )
+    words = keep(messages, tokenizer, 40, lambda m: m.text().startswith(SUMMARY_HEADER))
+    # the long one does not fit: it is left to the summary, and the older one is still kept
+    assert words.texts == ("First: keep Python 3.8 compatibility.", "Third: add a CHANGELOG entry.")
+    assert words.total == 3 and words.dropped == 1 and words.tokens <= 40
+    assert words.render().startswith(USER_WORDS_HEADER)
+    assert keep(messages, tokenizer, 0, lambda m: False).texts == ()
+
+
+def test_pinned_lines_fill_what_the_summaries_leave_and_state_nothing_twice(tokenizer: HFChatTokenizer) -> None:
+    trace = coding_trace(1, 2500, tokenizer)
+    history = _rendered(tokenizer, trace.messages)
+    end = len(history.token_ids)
+    chunks = [Chunk(0, 0, end // 2), Chunk(1, end // 2, end)]
+    fact = next(f for f in trace.facts if f.kind == "failing_test")
+    summary = f"The agent ran the tests; {fact.text} failed."
+    parts = [segments(history, tokenizer, c.start, c.end) for c in chunks]
+    texts = [ChunkText(summary, parts[0], chunks[0].size, True), ChunkText("", parts[1], chunks[1].size, True)]
+    pinned = pin(texts, tokenizer, 60, elsewhere="")
+    assert sum(len(tokenizer.encode(p.text)) for p in pinned) <= 2 * 60 + 2
+    assert pinned[0].text.startswith(summary) or pinned[0].dropped_sentences == 1
+    everything = "\n".join(p.text for p in pinned)
+    assert everything.count(fact.text) == 1  # the summary states it: no line repeats it
+    assert all(p.lines > 0 for p in pinned)
+    closed = pin([ChunkText("x", parts[0], chunks[0].size, False), texts[1]], tokenizer, 60)
+    assert closed[0].text == "x" and closed[0].lines == 0  # nothing is pinned beside a fallback text
+
+
+async def test_a_compaction_keeps_the_users_words_and_pins_lines_and_names_the_content(
+    tokenizer: HFChatTokenizer,
+) -> None:
+    def script(request: GenerationRequest) -> tuple[str, str]:
+        return "The agent worked on the bug.", "stop"
+
+    trace = coding_trace(2, 3000, tokenizer)
+    backend = FakeBackend(script=script)
+    compactor = Compactor(tokenizer, backend, context_window=8192)
+    result = await compactor.compact(trace.messages, {"chunk_tokens": 1024, "max_chunk_summary_tokens": 64})
+    head = result.messages[1].text()
+    constraint = next(f for f in trace.facts if f.kind == "constraint")
+    assert USER_WORDS_HEADER in head and constraint.text in head.split(USER_WORDS_HEADER)[1]
+    stats = result.stats
+    assert stats.user_words_kept == 2 and stats.user_words_dropped == 0 and stats.user_words_tokens > 0
+    assert sum(c.pinned_lines for c in stats.per_chunk) > 0
+    assert {c.content for c in stats.per_chunk} <= set(INSTRUCTIONS)
+    assert all(r.max_tokens == 16 and r.repetition_penalty == 1.05 for r in backend.requests)
+    assert sum(c.summary_tokens for c in stats.per_chunk) <= stats.chunks * (64 + 2)  # the budgets, pooled
+    caller = await compactor.compact(trace.messages, {"chunk_tokens": 1024, "chunk_instructions": {0: "Be brief."}})
+    assert caller.stats.per_chunk[0].content == "caller"
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_analysis_traces_plant_six_facts_of_their_own_once(seed: int, tokenizer: HFChatTokenizer) -> None:
+    trace = analysis_trace(seed, 3000, tokenizer)
+    assert [f.kind for f in trace.facts] == ["requirement", "metric", "followup", "query", "anomaly", "conclusion"]
+    roles = {f.kind: trace.messages[f.message_index]["role"] for f in trace.facts}
+    assert roles["requirement"] == roles["followup"] == "user" and roles["metric"] == "tool"
+    assert roles["anomaly"] == roles["conclusion"] == "assistant"
+    assert trace.messages == analysis_trace(seed, 3000, tokenizer).messages

@@ -160,7 +160,7 @@ def run(out: Path, work: Path) -> dict[str, Any]:
     ray.init(address=cluster.address, runtime_env={"env_vars": worker_env(True)}, log_to_driver=False)
     port = int(os.environ.get("NODE_LOSS_PORT", "18480"))
     serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
-    args = {"models": [MODEL], "catalogue": str(catalogue), "coordinator_replicas": 2, "max_failovers": 2}
+    args = {"models": [MODEL], "catalogue": str(catalogue), "coordinator_replicas": 2, "coordinators_per_node": 1}
     service = LocalService(port, args)
     figures: dict[str, Any] = {}
     try:

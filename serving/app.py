@@ -284,7 +284,7 @@ def build_app(args: dict[str, Any]) -> Application:
             ray_actor_options=actor_options(),
             max_ongoing_requests=COORDINATOR_MAX_ONGOING,  # its own Gate queues and sheds, not Serve
             request_router_config=routing,
-            **({"max_replicas_per_node": opts.coordinators_per_node} if opts.coordinators_per_node else {}),
+            max_replicas_per_node=opts.coordinators_per_node,  # type: ignore[arg-type]  # None: no bound
         )
         .bind(llms, specs, opts)
     )

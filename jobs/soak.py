@@ -63,11 +63,16 @@ class Tally:
     applied: int = 0
     unavailable: int = 0  # 503 with Retry-After
     kills: list[tuple[float, str, int]] = field(default_factory=list)
+    failures: list[tuple[float, str, int, str]] = field(default_factory=list)  # 5xx but 503 + Retry-After
+    began: float = field(default_factory=time.monotonic)
 
     def count(self, kind: str, response: httpx.Response) -> None:
         self.statuses.setdefault(kind, Counter())[response.status_code] += 1
         if response.status_code == 503 and response.headers.get("Retry-After"):
             self.unavailable += 1
+        elif response.status_code >= 500:  # when and what, to line it up with the kills
+            self.failures.append((time.monotonic() - self.began, kind, response.status_code, response.text[:200]))
+            say(f"{kind}: {response.status_code} {response.text[:200]!r}")
 
     def server_errors(self) -> int:
         """5xx answers other than 503 + Retry-After."""
@@ -161,9 +166,8 @@ async def disconnects(client: httpx.AsyncClient, tally: Tally, until: float) -> 
         await asyncio.sleep(20)
         n += 1
         body = {"model": MODEL, "messages": history(20, f"gone{n}"), **OPTIONS}
-        try:
-            await client.post("/v1/compact", json=body, timeout=0.3)
-            tally.errors["disconnect:finished-anyway"] += 1
+        try:  # an answer within 0.3 s is a shed (429) or a compaction that fits
+            tally.count("disconnect", await client.post("/v1/compact", json=body, timeout=0.3))
         except httpx.TimeoutException:
             tally.errors["disconnect:cancelled"] += 1
 
@@ -281,7 +285,7 @@ def plot(samples: list[dict[str, Any]], kills: list[tuple[float, str, int]], war
 async def traffic(url: str, duration: float, agents: int, sample_s: float) -> tuple[Tally, list[dict[str, Any]], float]:
     tally = Tally()
     samples: list[dict[str, Any]] = []
-    began = time.monotonic()
+    began = tally.began
     until = began + duration
     limits = httpx.Limits(max_connections=200, max_keepalive_connections=50)
     async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as client:
@@ -312,6 +316,7 @@ def report(tally: Tally, rows: list[dict[str, Any]]) -> dict[str, Any]:
         "unavailable_503_with_retry_after": tally.unavailable,
         "worst_rss_growth_pct": worst,
         "kills": tally.kills,
+        "failures": tally.failures,
     }
     for key in ("statuses", "transport"):
         say(f"{key}: {json.dumps(summary[key])}")

@@ -78,6 +78,13 @@ class AppArgs(BaseModel):
     coordinator_replicas: int = Field(
         2, ge=1, le=64, description="Coordinator replicas; a compaction whose replica dies is retried on another."
     )
+    coordinators_per_node: int | None = Field(
+        None,
+        ge=1,
+        le=64,
+        description="At most this many coordinator replicas on one Ray node (Serve's max_replicas_per_node): 1 "
+        "spreads them, so a lost node takes at most one. None: Serve places them (it may put all on one node).",
+    )
     compaction_timeout_s: float = Field(
         600.0, gt=0, le=86_400, description="Deadline of a compaction that names no timeout_s; past it 504."
     )
@@ -307,6 +314,7 @@ def build_app(args: dict[str, Any]) -> Application:
             ray_actor_options=actor_options(),
             max_ongoing_requests=COORDINATOR_MAX_ONGOING,  # its own Gate queues and sheds, not Serve
             request_router_config=routing,
+            max_replicas_per_node=opts.coordinators_per_node,  # type: ignore[arg-type]  # None: no bound
         )
         .bind(llms, specs, opts)
     )

@@ -1,10 +1,12 @@
-"""The deploy files in cluster/: autoscaler schemas (GCP and Azure), Serve schema, KubeRay manifest, and their agreement
-with the catalogue (which node type hosts each model, and whether it fits there)."""
+"""The deploy files in cluster/: autoscaler schemas (GCP and Azure), Serve schema, KubeRay manifest, their agreement
+with the catalogue (which node type hosts each model, and whether it fits there), and a locked control plane (Ray
+token auth on every node, no dashboard, GCS or Ray Client port open beyond the Ray pods, no key in a runtime_env)."""
 
 from __future__ import annotations
 
 import copy
 import json
+import re
 import tomllib
 from collections.abc import Callable
 from pathlib import Path
@@ -227,9 +229,16 @@ def test_the_serve_schema_check_catches_broken_configs(
         ServeDeploySchema.model_validate(broken)
 
 
+def kuberay_documents() -> dict[str, dict[str, Any]]:
+    """The manifest's documents by kind (a RayService and its NetworkPolicy)."""
+    documents = {doc["kind"]: doc for doc in yaml.safe_load_all(KUBERAY_YAML.read_text())}
+    assert set(documents) == {"RayService", "NetworkPolicy"}
+    return documents
+
+
 @pytest.fixture(scope="module")
 def rayservice() -> dict[str, Any]:
-    return load(KUBERAY_YAML)
+    return kuberay_documents()["RayService"]
 
 
 def test_kuberay_manifest_embeds_the_same_serve_config(rayservice: dict[str, Any]) -> None:
@@ -277,3 +286,146 @@ def test_the_serve_configs_simulated_bounds_and_targets_reach_the_llm_deployment
         bounds = args.replicas[spec.name]
         assert autoscaling["max_replicas"] == bounds.max >= 2
         assert autoscaling["target_ongoing_requests"] == bounds.target_ongoing_requests
+
+
+# A locked control plane: token auth, a loopback or policed dashboard, no Ray Client port, no key in a runtime_env.
+
+SECRET_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSWORD", re.IGNORECASE)
+RAY_PORTS = {"gcs": 6379, "dashboard": 8265, "client": 10001, "metrics": 8080, "serve": 8000}
+
+
+def start_commands(cluster: dict[str, Any]) -> dict[str, str]:
+    """The `ray start` command of the head and of the workers, each with the shell lines before it."""
+    found = {}
+    for role in ("head", "worker"):
+        (command,) = [c for c in cluster[f"{role}_start_ray_commands"] if "ray start" in c]
+        found[role] = command
+    return found
+
+
+def exported(command: str) -> dict[str, str]:
+    """Variables the command exports before `ray start` (`export A=x B=y;`)."""
+    pairs: dict[str, str] = {}
+    for statement in re.findall(r"export ([^;]+);", command):
+        pairs.update(re.findall(r'(\w+)=("[^"]*"|\S+)', statement))
+    return pairs
+
+
+def test_every_node_starts_ray_with_token_auth_from_a_mounted_token(
+    deployment: tuple[dict[str, Any], list[ModelSpec]],
+) -> None:
+    cluster = deployment[0]
+    for role, command in start_commands(cluster).items():
+        env = exported(command)
+        assert env.get("RAY_AUTH_MODE") == "token", role
+        assert env["RAY_AUTH_TOKEN_PATH"] in cluster["file_mounts"], role
+        assert cluster["file_mounts"][env["RAY_AUTH_TOKEN_PATH"]] == "~/.ray/auth_token"  # `ray get-auth-token`
+    head = start_commands(cluster)["head"]
+    assert "--dashboard-host=127.0.0.1" in head and "0.0.0.0" not in head
+
+
+def test_every_node_exports_the_api_key_from_a_mounted_file(
+    deployment: tuple[dict[str, Any], list[ModelSpec]],
+) -> None:
+    # The ingress may run on any node; its process inherits the raylet's environment.
+    cluster = deployment[0]
+    for role, command in start_commands(cluster).items():
+        value = exported(command)["COMPACTION_API_KEY"]
+        (path,) = re.fullmatch(r'"\$\(cat (\S+)\)"', value).groups()  # type: ignore[union-attr]
+        assert path in cluster["file_mounts"], role
+
+
+def runtime_env_secrets(node: object) -> list[str]:
+    """Names of secret-looking env vars in any runtime_env inside a parsed config."""
+    if isinstance(node, list):
+        return [name for item in node for name in runtime_env_secrets(item)]
+    if not isinstance(node, dict):
+        return []
+    found = [name for name in (node.get("runtime_env") or {}).get("env_vars", {}) if SECRET_NAME.search(name)]
+    return found + [name for value in node.values() for name in runtime_env_secrets(value)]
+
+
+def shipped_configs() -> dict[str, object]:
+    paths = sorted(set((ROOT / "cluster").glob("*.yaml")) - {KUBERAY_YAML})
+    configs: dict[str, object] = {path.name: load(path) for path in paths}
+    service = kuberay_documents()["RayService"]
+    configs[KUBERAY_YAML.name] = service
+    configs["serveConfigV2"] = yaml.safe_load(service["spec"]["serveConfigV2"])
+    return configs
+
+
+def test_no_shipped_config_puts_a_key_or_token_in_a_runtime_env() -> None:
+    configs = shipped_configs()
+    assert {"serve-local.yaml", "serve-gpu.yaml", "serve-azure.yaml", "gcp-h100.yaml", "serveConfigV2"} <= set(configs)
+    for name, config in configs.items():
+        assert runtime_env_secrets(config) == [], name
+    leaked = copy.deepcopy(configs["serve-gpu.yaml"])
+    leaked["applications"][0]["runtime_env"] = {"env_vars": {"COMPACTION_API_KEY": "sk-1"}}  # type: ignore[index]
+    assert runtime_env_secrets(leaked) == ["COMPACTION_API_KEY"]
+
+
+def ray_containers(service: dict[str, Any]) -> list[dict[str, Any]]:
+    spec = service["spec"]["rayClusterConfig"]
+    groups = [spec["headGroupSpec"], *spec["workerGroupSpecs"]]
+    return [group["template"]["spec"]["containers"][0] for group in groups]
+
+
+def test_kuberay_turns_on_token_auth_and_opens_no_ray_client_port(rayservice: dict[str, Any]) -> None:
+    spec = rayservice["spec"]["rayClusterConfig"]
+    assert spec["authOptions"] == {"mode": "token", "secretName": "ray-auth-token"}
+    head = spec["headGroupSpec"]
+    assert head.get("serviceType", "ClusterIP") == "ClusterIP"
+    assert "ray-client-server-port" not in head["rayStartParams"]
+    ports = {p["containerPort"] for p in head["template"]["spec"]["containers"][0]["ports"]}
+    # The head Service carries the head container's ports: the GCS for the workers, the dashboard for the operator.
+    assert ports == {RAY_PORTS["gcs"], RAY_PORTS["dashboard"], RAY_PORTS["serve"]}
+    for container in ray_containers(rayservice):
+        for var in container.get("env", []):
+            assert not var["name"].startswith("RAY_AUTH"), "authOptions sets the token; do not inline it"
+
+
+def test_kuberay_gives_every_ray_container_the_api_key_from_a_secret(rayservice: dict[str, Any]) -> None:
+    for container in ray_containers(rayservice):
+        (var,) = [v for v in container["env"] if v["name"] == "COMPACTION_API_KEY"]
+        assert set(var) == {"name", "valueFrom"}, "the key comes from a Secret, never inline"
+        assert var["valueFrom"]["secretKeyRef"] == {"name": "compaction-api-key", "key": "key"}
+
+
+def admitted(policy: dict[str, Any], source: dict[str, str], port: int) -> bool:
+    """Whether a NetworkPolicy lets a pod with labels `source` (any namespace) reach a selected pod on `port`."""
+
+    def peer_matches(peer: dict[str, Any]) -> bool:
+        if "ipBlock" in peer:
+            return True
+        wanted = peer.get("podSelector", {}).get("matchLabels", {})
+        return all(source.get(k) == v for k, v in wanted.items())
+
+    for rule in policy["spec"].get("ingress", []):
+        from_ok = "from" not in rule or any(peer_matches(peer) for peer in rule["from"])
+        port_ok = "ports" not in rule or any(p["port"] == port for p in rule["ports"])
+        if from_ok and port_ok:
+            return True
+    return False
+
+
+def reachable_ports(policy: dict[str, Any], source: dict[str, str]) -> set[int]:
+    return {port for port in RAY_PORTS.values() if admitted(policy, source, port)}
+
+
+def test_kuberay_network_policy_admits_only_the_serve_port_from_outside(rayservice: dict[str, Any]) -> None:
+    policy = kuberay_documents()["NetworkPolicy"]
+    assert policy["apiVersion"] == "networking.k8s.io/v1"
+    assert "Ingress" in policy["spec"]["policyTypes"]
+    selector = policy["spec"]["podSelector"]["matchLabels"]
+    spec = rayservice["spec"]["rayClusterConfig"]
+    for group in [spec["headGroupSpec"], *spec["workerGroupSpecs"]]:
+        labels = group["template"]["metadata"]["labels"]
+        assert selector.items() <= labels.items(), "the policy must select every Ray pod"
+    ray_pod = dict(selector)
+    operator = {"app.kubernetes.io/name": "kuberay-operator"}
+    assert reachable_ports(policy, {"app": "some-other-pod"}) == {RAY_PORTS["serve"]}
+    assert reachable_ports(policy, operator) == {RAY_PORTS["serve"], RAY_PORTS["dashboard"]}
+    assert reachable_ports(policy, ray_pod) == set(RAY_PORTS.values())
+    opened = copy.deepcopy(policy)
+    opened["spec"]["ingress"].append({"ports": [{"port": RAY_PORTS["gcs"], "protocol": "TCP"}]})
+    assert RAY_PORTS["gcs"] in reachable_ports(opened, {"app": "some-other-pod"})

@@ -35,7 +35,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import ConfigDict, Field, ValidationError
-from ray.exceptions import RayTaskError
+from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 from ray.serve.llm.ingress import OpenAiIngress, make_fastapi_ingress
@@ -74,6 +74,7 @@ from serving.wire.responses import CompactResponsesRequest, ResponsesRequest
 from serving.wire.sse import chat_chunks
 
 logger = logging.getLogger(__name__)
+REPLICA_BACKOFF_S = (0.5, 1.0, 2.0)  # a chat turn whose model replica died is sent again after these pauses
 OPEN_PATHS = frozenset({"/healthz", "/docs", "/docs/oauth2-redirect", "/openapi.json", "/redoc"})
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 DEADLINE_GRACE_S = 5.0
@@ -410,9 +411,21 @@ class CompactionIngress(OpenAiIngress):
         except ValidationError as exc:
             first = exc.errors()[0]
             raise InvalidInput(field_path(("body", *first["loc"])), f"{first['msg']} (in the chat request)") from exc
-        response = await super().chat(chat, _with_session(request, call.session))
+        response = await self._chat_on_a_live_replica(chat, _with_session(request, call.session))
         counter = self._counter(str(forward.get("model")))
         return when_sent(response, lambda: counter.replied(call.session))  # the agent is in its tools from then
+
+    async def _chat_on_a_live_replica(self, chat: ChatRequest, request: Request) -> Response:
+        """ray.serve.llm's chat, sent again when the replica died before its first token (a turn has no side
+        effects): Serve's router drops the dead replica and the turn goes to a live one. A death after the
+        first token ends the stream; the client sees it cut short."""
+        for attempt, pause in enumerate(REPLICA_BACKOFF_S):
+            try:
+                return await super().chat(chat, request)
+            except (RayActorError, ActorUnavailableError) as exc:
+                logger.warning("a model replica was lost before answering (attempt %d): %r", attempt + 1, exc)
+                await asyncio.sleep(pause)
+        raise BackendError("no model replica could answer this turn right now; retry after the Retry-After seconds")
 
     def _counter(self, model: str) -> PromptCounter:
         if model not in self._counters:

@@ -182,9 +182,26 @@ def test_a_replica_killed_during_a_parallel_compaction(client: httpx.Client, his
     outcome: dict[str, Any] = {}
     worker = threading.Thread(target=lambda: outcome.update(response=client.post("/v1/compact", json=body)))
     worker.start()
-    time.sleep(3)  # the chunk prompts are being prefilled on both replicas
+    time.sleep(2)
+    # Agent turns of six sessions in flight too (sessions hash over both replicas): each is answered, by a live one.
+    turns: dict[int, httpx.Response] = {}
+
+    def turn(i: int) -> None:
+        asked = [*history[-6:], {"role": "user", "content": f"Session {i}: what was said last?"}]
+        headers = {"x-session-id": f"kill-turn-{i}"}
+        turns[i] = client.post(
+            "/v1/chat/completions", json={"model": MODEL, "messages": asked, "max_tokens": 24}, headers=headers
+        )
+
+    agents = [threading.Thread(target=turn, args=(i,)) for i in range(6)]
+    for agent in agents:
+        agent.start()
+    time.sleep(1)  # the chunk prompts are being prefilled on both replicas, the turns are queued or running
     ray.kill(ray.get_actor(victim["name"], namespace=victim["namespace"]), no_restart=True)
     worker.join(timeout=600)
+    for agent in agents:
+        agent.join(timeout=600)
+    assert sorted(r.status_code for r in turns.values()) == [200] * 6, [r.text[:200] for r in turns.values()]
     response = outcome["response"]
     if response.status_code == 503:  # allowed: a clean failure, nothing returned half-done
         assert response.headers["retry-after"] and "replica" in response.json()["error"]["message"]

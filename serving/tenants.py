@@ -234,6 +234,16 @@ def _refusal(status: int, kind: str, message: str, retry: float | None = None) -
     return JSONResponse(body, status_code=status, headers=headers)
 
 
+def client_key(environ: Mapping[str, str] | None = None) -> str | None:
+    """The key our own clients (jobs, benchmarks) send a service: COMPACTION_API_KEY, when set."""
+    return (os.environ if environ is None else environ).get("COMPACTION_API_KEY", "").strip() or None
+
+
+def client_headers(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    key = client_key(environ)
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
 def presented_key(headers: Headers) -> str:
     """`Authorization: Bearer <key>`, else `x-api-key: <key>` (as the anthropic client sends it)."""
     scheme, _, token = headers.get("authorization", "").partition(" ")

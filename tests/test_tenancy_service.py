@@ -3,6 +3,7 @@ and a tenant that knows another's session id and first messages getting nothing 
 
 from __future__ import annotations
 
+import os
 import random
 import uuid
 from typing import Any
@@ -33,15 +34,15 @@ def turn(
 
 
 def test_every_request_needs_a_tenants_key_and_whitespace_never_breaks_one(client: httpx.Client) -> None:
-    bare = httpx.get(f"{client.base_url}v1/models", headers={"x-request-id": "req-tenancy-1"})
+    bare = httpx.get(client.base_url.join("/v1/models"), headers={"x-request-id": "req-tenancy-1"})
     assert bare.status_code == 401 and bare.json()["error"]["type"] == "authentication_error"
     assert bare.headers["x-request-id"] == "req-tenancy-1"  # every answer names the request, errors too
-    assert httpx.get(f"{client.base_url}healthz").status_code == 200
+    assert httpx.get(client.base_url.join("/healthz")).status_code == 200
     # The default tenant's key reached the ingress as "key\n" (COMPACTION_API_KEY, conftest); a header with spaces.
     assert client.get("/v1/models").status_code == 200
     spaced = {"Authorization": f"Bearer   {TENANT_KEYS['tenant-a']}  "}
-    assert httpx.get(f"{client.base_url}v1/models", headers=spaced).status_code == 200
-    assert httpx.get(f"{client.base_url}v1/models", headers=auth(SERVICE_KEY[:-1])).status_code == 401
+    assert httpx.get(client.base_url.join("/v1/models"), headers=spaced).status_code == 200
+    assert httpx.get(client.base_url.join("/v1/models"), headers=auth(SERVICE_KEY[:-1])).status_code == 401
 
 
 def test_no_cors_unless_configured(client: httpx.Client) -> None:
@@ -123,3 +124,16 @@ def test_the_chunk_cache_reuses_only_a_tenants_own_summaries(client: httpx.Clien
     assert first["reused_chunks"] == 0 and again["reused_chunks"] == again["chunks"] >= 2
     guess = client.post("/v1/compact", json=body, headers=B).json()["stats"]
     assert guess["reused_chunks"] == 0 and guess["chunks"] == first["chunks"]
+
+
+def test_the_key_never_travels_with_the_application(service: Any) -> None:
+    """build_app runs where Serve builds the app, not where the ingress runs: it ships no key (its env, set here
+    by conftest, stays here), only where the ingress finds them."""
+    from serving.app import build_app
+
+    app = build_app({"api_keys_file": "/etc/compaction/keys"})
+    ingress = app._bound_deployment
+    shipped = repr(ingress.ray_actor_options) + repr(ingress.init_args) + repr(ingress.init_kwargs)
+    assert SERVICE_KEY in os.environ["COMPACTION_API_KEY"]
+    assert SERVICE_KEY not in shipped and "COMPACTION_API_KEY'" not in repr(ingress.ray_actor_options)
+    assert ingress.init_kwargs["tenancy"].api_keys_file == "/etc/compaction/keys"

@@ -19,6 +19,7 @@ from serving.api import CompactionIngress
 from serving.coordinator import CompactJob, ServiceResult
 from serving.ray_adapter import ChatRequest
 from serving.sessions import ChatTurn, TurnCompaction
+from serving.tenants import DEFAULT_TENANT
 from serving.wire.messages import CountTokensRequest, MessagesRequest
 from serving.wire.responses import CompactResponsesRequest, ResponsesRequest
 from tests.test_coordinator import MODEL, FakeReplicas, coordinator
@@ -37,7 +38,7 @@ class Ingress(CompactionIngress):
         self.tokenizer = tokenizer
         self._windows = {MODEL: WINDOW}
         self._aliases = {ALIAS: MODEL}
-        self._counters = {MODEL: self.path.counter}
+        self._counters = {(DEFAULT_TENANT, MODEL): self.path.counter}
         self.turns: list[ChatTurn] = []
 
     async def _turn(self, turn: ChatTurn) -> TurnCompaction:

@@ -36,7 +36,6 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.middleware.cors import CORSMiddleware
 from pydantic import ConfigDict, Field, ValidationError
 from ray.exceptions import RayTaskError
 from ray.serve.exceptions import BackPressureError
@@ -68,7 +67,17 @@ from serving.coordinator_calls import call_coordinator
 from serving.ray_adapter import ChatRequest, CompletionRequest, http_host, openai_app, openai_routes
 from serving.routing import PlacementMode
 from serving.sessions import ChatTurn, TurnCompaction, Wire
-from serving.tenants import ANONYMOUS, KeyTable, TenancyConfig, Tenant, TenantGate, check_exposure, read_keys
+from serving.tenants import (
+    ANONYMOUS,
+    KeyTable,
+    TenancyConfig,
+    Tenant,
+    TenantGate,
+    allow_origins,
+    check_exposure,
+    read_keys,
+    tenant_of,
+)
 from serving.wire import messages as wire_messages
 from serving.wire import responses as wire_responses
 from serving.wire.codec import SESSION_HEADER, ChatCall, checked_session
@@ -192,7 +201,7 @@ async def on_replica_error(request: Request, exc: Exception) -> JSONResponse:
         detail = f"{type(cause).__name__}: {str(cause)[:200]}"
         message = f"messages: the model's chat template could not render them ({detail}); send OpenAI-style messages"
         return error_response(400, "invalid_request_error", message, "messages")
-    logger.error("a model replica failed on %s: %r", request.url.path, exc)
+    logger.error("a model replica failed on %s (request %s): %r", request.url.path, _request_id(request), exc)
     return error_response(
         503, "service_unavailable", "the model replica failed on this request; retry shortly", None, 5
     )
@@ -204,8 +213,15 @@ async def on_error(request: Request, exc: Exception) -> JSONResponse:
             if isinstance(exc, InvalidInput):
                 return error_response(status, name, f"{exc.field}: {exc.message}", exc.field)
             wait = exc.retry_after_s if isinstance(exc, Overloaded) else retry
+            if status >= 500:
+                logger.warning("%s on %s (request %s): %s", name, request.url.path, _request_id(request), exc)
             return error_response(status, name, str(exc), None, wait)
     raise exc
+
+
+def _request_id(request: Request) -> str | None:
+    """The x-request-id every answer carries (the client's, or Serve's), for the log lines of a failure."""
+    return request.headers.get("x-request-id")
 
 
 class _ClientLeft(Exception):
@@ -309,11 +325,11 @@ class CompactionIngress(OpenAiIngress):
 
     async def compact(self, body: CompactRequest, request: Request) -> ServiceResult:
         """Compact a history; the stats show where each chunk ran, what the cache served and the queue wait."""
-        return await self._compact(body.job(_header_session(request), _tenant(request)))
+        return await self._compact(body.job(_header_session(request), tenant_of(request)))
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         """OpenAI completions, in the caller's own prefix-cache namespace."""
-        salt = _tenant(request).salted(body.cache_salt)
+        salt = tenant_of(request).salted(body.cache_salt)
         return await super().completions(body.model_copy(update={"cache_salt": salt}), request)
 
     async def _compact(self, job: CompactJob) -> ServiceResult:
@@ -333,7 +349,7 @@ class CompactionIngress(OpenAiIngress):
     async def chat(self, body: ChatRequest, request: Request) -> Response:
         """OpenAI chat completions. With `context_management`, compacted server-side (see serving.chat)."""
         if CONTEXT_MANAGEMENT not in (body.model_extra or {}):
-            salt = _tenant(request).salted(body.cache_salt)
+            salt = tenant_of(request).salted(body.cache_salt)
             return await super().chat(body.model_copy(update={"cache_salt": salt}), request)
         call = ChatCall(await request.json(), _header_session(request))
         forward, outcome = await self._prepare(call, "chat", request)
@@ -357,7 +373,7 @@ class CompactionIngress(OpenAiIngress):
         call = wire_responses.compact_call(body, _header_session(request))
         self._window(body.model)
         messages = parse_messages(call.body["messages"], "input")
-        tenant = _tenant(request)
+        tenant = tenant_of(request)
         job = CompactJob(
             model=body.model,
             messages=messages,
@@ -387,7 +403,7 @@ class CompactionIngress(OpenAiIngress):
         call = wire_messages.to_chat(body, None)
         self._window(body.model)
         messages = parse_messages(call.body["messages"])
-        return {"input_tokens": self._counter(body.model, _tenant(request)).count(messages, None)}
+        return {"input_tokens": self._counter(body.model, tenant_of(request)).count(messages, None)}
 
     def _window(self, model: str) -> int:
         if model not in self._windows:
@@ -400,7 +416,7 @@ class CompactionIngress(OpenAiIngress):
         """The chat request to send the model (compacted if the entry asks) and the turn's compaction outcome."""
         model = str(call.body.get("model"))
         window = self._window(model)
-        tenant = _tenant(request)
+        tenant = tenant_of(request)
         counter = self._counter(model, tenant)
         try:
             return await prepare_turn(call.body, call.session, counter, window, self._turn, wire, tenant)
@@ -409,7 +425,7 @@ class CompactionIngress(OpenAiIngress):
 
     async def _answer(self, forward: dict[str, Any], call: ChatCall, request: Request) -> Response:
         """ray.serve.llm's chat completion of `forward`, on the session's replica."""
-        tenant = _tenant(request)
+        tenant = tenant_of(request)
         salt = tenant.salted(forward.get("cache_salt") if isinstance(forward.get("cache_salt"), str) else None)
         try:
             chat = ChatRequest.model_validate({**forward, "cache_salt": salt} if salt else forward)
@@ -445,12 +461,6 @@ class CompactionIngress(OpenAiIngress):
         if starting:
             raise BackendError(f"no running replica yet for {starting}; the models are starting or failed")
         return {"status": "ok", "models": sorted(replicas), "replicas": replicas}
-
-
-def _tenant(request: Request) -> Tenant:
-    """The request's tenant, named by `TenantGate` (the anonymous one where no keys are configured)."""
-    tenant = getattr(request.state, "tenant", ANONYMOUS)
-    return tenant if isinstance(tenant, Tenant) else ANONYMOUS
 
 
 def _header_session(request: Request) -> str | None:
@@ -507,11 +517,5 @@ def make_ingress(
     app.add_middleware(BodyGuard, max_bytes=max_request_bytes)
     app.add_middleware(TenantGate, config=tenancy or TenancyConfig())
     app.add_middleware(AnthropicErrors)
-    if cors_origins:  # outermost: a preflight carries no key
-        app.add_middleware(
-            CORSMiddleware,
-            allow_origins=list(cors_origins),
-            allow_methods=["GET", "POST"],
-            allow_headers=["authorization", "x-api-key", "content-type", SESSION_HEADER, "x-request-id"],
-        )
+    allow_origins(app, cors_origins)  # outermost: a preflight carries no key
     return make_fastapi_ingress(CompactionIngress, endpoint_map={**openai_routes(), **compaction_routes()}, app=app)

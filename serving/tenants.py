@@ -32,10 +32,12 @@ import math
 import os
 import re
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
@@ -242,6 +244,23 @@ def client_key(environ: Mapping[str, str] | None = None) -> str | None:
 def client_headers(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     key = client_key(environ)
     return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def tenant_of(request: Request) -> Tenant:
+    """The request's tenant, named by `TenantGate` (the anonymous one where no keys are configured)."""
+    tenant = getattr(request.state, "tenant", ANONYMOUS)
+    return tenant if isinstance(tenant, Tenant) else ANONYMOUS
+
+
+def allow_origins(app: FastAPI, origins: Sequence[str]) -> None:
+    """CORS for exactly `origins` (none: no CORS headers at all). Add it last: a preflight carries no key."""
+    if origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(origins),
+            allow_methods=["GET", "POST"],
+            allow_headers=["authorization", "x-api-key", "content-type", "x-session-id", "x-request-id"],
+        )
 
 
 def presented_key(headers: Headers) -> str:

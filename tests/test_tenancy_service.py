@@ -40,7 +40,7 @@ def test_every_request_needs_a_tenants_key_and_whitespace_never_breaks_one(clien
     assert httpx.get(client.base_url.join("/healthz")).status_code == 200
     # The default tenant's key reached the ingress as "key\n" (COMPACTION_API_KEY, conftest); a header with spaces.
     assert client.get("/v1/models").status_code == 200
-    spaced = {"Authorization": f"Bearer   {TENANT_KEYS['tenant-a']}  "}
+    spaced = {"Authorization": f"Bearer   {TENANT_KEYS['tenant-a']}"}  # (HTTP itself drops trailing spaces)
     assert httpx.get(client.base_url.join("/v1/models"), headers=spaced).status_code == 200
     assert httpx.get(client.base_url.join("/v1/models"), headers=auth(SERVICE_KEY[:-1])).status_code == 401
 
@@ -118,7 +118,7 @@ def test_the_chunk_cache_reuses_only_a_tenants_own_summaries(client: httpx.Clien
     words = " ".join(f"w{uuid.uuid4().hex[:6]}" for _ in range(40))
     history = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"{i}: {words}"} for i in range(8)]
     body = {"model": SERVED_MODEL, "messages": history, "chunk_tokens": 256, "max_chunk_summary_tokens": 8}
-    body["keep_recent_tokens"] = 0
+    body |= {"keep_recent_tokens": 0, "session_id": f"cache-{uuid.uuid4().hex[:8]}"}  # one coordinator, its cache
     first = client.post("/v1/compact", json=body, headers=A).json()["stats"]
     again = client.post("/v1/compact", json=body, headers=A).json()["stats"]
     assert first["reused_chunks"] == 0 and again["reused_chunks"] == again["chunks"] >= 2

@@ -23,6 +23,7 @@ class GenerationRequest:
     request_id: str = ""  # for engine logs and cancellation
     routing_key: str | None = None  # placement hint (a replica id or a session id); backends may ignore it
     priority: int = 0  # engine scheduling priority, lower first (compaction.pacing: AGENT, BACKGROUND)
+    cache_salt: str | None = None  # prefix-cache namespace on the engine (a tenant's); None: the shared cache
 
 
 @dataclass(frozen=True)

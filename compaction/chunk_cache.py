@@ -47,9 +47,10 @@ def digest(token_ids: Sequence[int]) -> str:
     return hashlib.blake2b(array("I", token_ids).tobytes(), digest_size=16).hexdigest()
 
 
-def scope_of(options: CompactionOptions) -> str:
-    """The options that shape a chunk summary (budget, sampling, checks, layout, variant...), as a key."""
-    shaping = options.model_dump(exclude=set(_UNSCOPED))
+def scope_of(options: CompactionOptions, namespace: str = "") -> str:
+    """The options that shape a chunk summary (budget, sampling, checks, layout, variant...), as a key; a
+    namespace (the tenant) keeps one caller's summaries from ever serving another."""
+    shaping = {**options.model_dump(exclude=set(_UNSCOPED)), "namespace": namespace}
     return hashlib.blake2b(json.dumps(shaping, sort_keys=True).encode(), digest_size=16).hexdigest()
 
 

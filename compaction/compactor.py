@@ -104,8 +104,10 @@ class Compactor:
         self,
         messages: Sequence[Message | Mapping[str, Any]],
         options: CompactionOptions | Mapping[str, Any] | None,
+        namespace: str = "",
     ) -> CompactionPlan:
-        """Validate, render once, partition and lay out. Raises InvalidInput naming the problem."""
+        """Validate, render once, partition and lay out. Raises InvalidInput naming the problem. `namespace`
+        (a tenant): chunk summaries are reused only within it."""
         opts = CompactionOptions.parse(options)
         parsed = parse_messages(messages)
         check_history(parsed)
@@ -115,7 +117,7 @@ class Compactor:
         system, head, summaries, tail_from = self._kept_ends(history, opts)
         starts = (*history.message_starts, len(history.token_ids))
         span = (starts[head], starts[tail_from])
-        scope = scope_of(opts)
+        scope = scope_of(opts, namespace)
         if opts.strategy == "sequential":
             chunks: tuple[Chunk, ...] = (Chunk(0, *span),)
         else:

@@ -29,6 +29,7 @@ import httpx
 
 from compaction.history import ChatTokenizer
 from jobs.data.conversations import LOCOMO_PATH, load_conversation, truncate_history
+from serving.tenants import client_headers
 
 MODEL = "smollm2-135m-instruct"
 COMPACTION = {"strategy": "parallel", "chunk_tokens": 512, "max_chunk_summary_tokens": 32, "reuse_chunks": False}
@@ -110,7 +111,7 @@ def figure(label: str, stats: dict[str, Any]) -> str:
 async def measure(url: str, session: Session, reset: Any) -> dict[str, dict[str, Any]]:
     """Every mode, each after `reset()` empties the replicas' prefix caches."""
     out = {}
-    async with httpx.AsyncClient(base_url=url, timeout=900) as client:
+    async with httpx.AsyncClient(base_url=url, headers=client_headers(), timeout=900) as client:
         for label, (sticky, named) in MODES.items():
             await reset()
             out[label] = await play(client, session, sticky_turns=sticky, session_compaction=named)

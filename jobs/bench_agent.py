@@ -41,6 +41,7 @@ from jobs.data.datasets import load_hotpotqa, load_locomo
 from jobs.data.episodes import Question, Step, hotpotqa_steps, locomo_steps
 from jobs.demo import table
 from serving.local import quiet_http_clients
+from serving.tenants import client_key
 
 MODEL = "smollm2-135m-instruct"
 
@@ -231,7 +232,7 @@ def with_service(args: argparse.Namespace, body: Any) -> list[ChatEpisode]:
 
     # Like an agent: a 429/503 with Retry-After is retried (twice) after the wait it names; its time is in the turn.
     if args.url:
-        client = OpenAI(base_url=f"{args.url}/v1", api_key="unused", max_retries=2, timeout=900)
+        client = OpenAI(base_url=f"{args.url}/v1", api_key=client_key() or "unused", max_retries=2, timeout=900)
         return list(body(client, lambda: None))
     from ray import serve
 
@@ -241,7 +242,7 @@ def with_service(args: argparse.Namespace, body: Any) -> list[ChatEpisode]:
     service_args: dict[str, Any] = {"replicas": replicas, **({"catalogue": args.catalogue} if args.catalogue else {})}
     with LocalService(args.port, service_args) as service:
         coordinator = serve.get_deployment_handle("Coordinator", app_name=APP_NAME)
-        client = OpenAI(base_url=f"{service.url}/v1", api_key="unused", max_retries=2, timeout=900)
+        client = OpenAI(base_url=f"{service.url}/v1", api_key=client_key() or "unused", max_retries=2, timeout=900)
         return list(body(client, lambda: coordinator.reset_prefix_cache.remote(MODEL).result()))
 
 

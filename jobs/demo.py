@@ -34,6 +34,7 @@ from jobs.agent.tools import ToolTime
 from jobs.data.conversations import LOCOMO_PATH, load_conversation, truncate_history
 from jobs.data.episodes import Document, Step
 from serving.local import quiet_http_clients
+from serving.tenants import client_key
 
 MODEL = "smollm2-135m-instruct"
 
@@ -164,7 +165,7 @@ def play_agent(
     """The conversation played as an agent session, blocking vs background compaction, each on cold caches."""
     from openai import OpenAI
 
-    client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=900)
+    client = OpenAI(base_url=f"{url}/v1", api_key=client_key() or "unused", max_retries=0, timeout=900)
     steps = agent_steps(messages, tokenizer, args.turn_tokens)
     settings = LoopSettings(args.tau, args.tau * 2 // 3, args.chunk_tokens, 32, ack_tokens=4)
     episodes = []

@@ -129,6 +129,7 @@ def validate_command(args: argparse.Namespace) -> int:
     from serving.backends import OpenAIBackend
     from serving.local import APP_NAME, LocalService
     from serving.models import load_catalogue
+    from serving.tenants import client_headers
     from serving.weights import fetch
 
     path = fetch()
@@ -144,7 +145,7 @@ def validate_command(args: argparse.Namespace) -> int:
             await coordinator.reset_prefix_cache.remote(MODEL)
 
         async def run() -> Any:
-            async with httpx.AsyncClient(base_url=service.url, timeout=900) as client:
+            async with httpx.AsyncClient(base_url=service.url, headers=client_headers(), timeout=900) as client:
                 history = render_history(parse_messages(conversation), tokenizer).token_ids
                 backend = OpenAIBackend(service.url, MODEL, client=client)
                 kv = cpu_kv_tokens(spec.kv_cache_gib, path)

@@ -10,13 +10,17 @@ offending field (Anthropic's shape on its routes, `serving.wire.errors`):
     body over max_request_bytes            413      body empty / not UTF-8 / not JSON   400
     Content-Type not application/json      415      missing or wrong bearer key     401
     field fails validation                 422      unknown model                   404
-    compaction queue full (Overloaded)     429 + Retry-After
+    compaction queue full (Overloaded), or the tenant past its concurrency / rate limit  429 + Retry-After
     past the request's timeout_s (DeadlineExceeded)  504
     no replica or coordinator could finish it (BackendError, Serve back-pressure)  503 + Retry-After
     any other HTTP error FastAPI raises (e.g. a body nested too deeply to parse)  its status, same shape
     an exception inside a model replica (ray.serve.llm's OpenAI endpoints): 400 when the model could
     not read the messages (KeyError/ValueError/TypeError from its chat template), else 503; never Ray's text
     the core broke its own contract (InvalidOutput: a bug)  500
+
+Error bodies carry our own message, never an exception's text (that goes to the log); every answer
+carries the request's `x-request-id` (Serve's proxy echoes the client's or makes one), which the log
+lines name. Tenants, keys and their limits: `serving.tenants`.
 
 A body over the limit is read to its end (up to `DRAIN_LIMIT`) before the 413 goes out, so a
 client still sending it reads the answer instead of a connection reset.
@@ -25,11 +29,9 @@ client still sending it reads the answer instead of a connection reset.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
-import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -62,12 +64,23 @@ from serving.chat import FIELD as CONTEXT_MANAGEMENT
 from serving.chat import PromptCounter, prepare_turn, when_sent, with_compaction
 from serving.coordinator import CompactJob, ServiceResult
 from serving.coordinator_calls import Suspects, call_coordinator
-from serving.ray_adapter import ChatRequest, openai_app, openai_routes
+from serving.ray_adapter import ChatRequest, CompletionRequest, http_host, openai_app, openai_routes
 from serving.routing import PlacementMode
 from serving.sessions import ChatTurn, TurnCompaction, Wire
+from serving.tenants import (
+    ANONYMOUS,
+    KeyTable,
+    TenancyConfig,
+    Tenant,
+    TenantGate,
+    allow_origins,
+    check_exposure,
+    read_keys,
+    tenant_of,
+)
 from serving.wire import messages as wire_messages
 from serving.wire import responses as wire_responses
-from serving.wire.codec import SESSION_HEADER, ChatCall
+from serving.wire.codec import SESSION_HEADER, ChatCall, checked_session
 from serving.wire.errors import AnthropicErrors
 from serving.wire.messages import CountTokensRequest, MessagesRequest
 from serving.wire.responses import CompactResponsesRequest, ResponsesRequest
@@ -75,7 +88,6 @@ from serving.wire.sse import chat_chunks
 
 logger = logging.getLogger(__name__)
 REPLICA_BACKOFF_S = (0.5, 1.0, 2.0)  # a chat turn whose model replica died is sent again after these pauses
-OPEN_PATHS = frozenset({"/healthz", "/docs", "/docs/oauth2-redirect", "/openapi.json", "/redoc"})
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 DEADLINE_GRACE_S = 5.0
 DRAIN_LIMIT = 1 << 30  # an oversize body is read (and dropped) up to this size so the client can read its 413
@@ -127,7 +139,7 @@ class CompactRequest(CompactionOptions):
         "yield to agent turns on the engines (prefill only when no agent request is running).",
     )
 
-    def job(self, header_session: str | None) -> CompactJob:
+    def job(self, header_session: str | None, tenant: Tenant = ANONYMOUS) -> CompactJob:
         options = CompactionOptions.model_validate(self.model_dump(include=set(CompactionOptions.model_fields)))
         return CompactJob(
             model=self.model,
@@ -137,6 +149,8 @@ class CompactRequest(CompactionOptions):
             placement=self.placement,
             timeout_s=self.timeout_s,
             priority=self.priority,
+            tenant=tenant.id,
+            cache_salt=tenant.cache_salt,
         )
 
 
@@ -188,7 +202,7 @@ async def on_replica_error(request: Request, exc: Exception) -> JSONResponse:
         detail = f"{type(cause).__name__}: {str(cause)[:200]}"
         message = f"messages: the model's chat template could not render them ({detail}); send OpenAI-style messages"
         return error_response(400, "invalid_request_error", message, "messages")
-    logger.error("a model replica failed on %s: %r", request.url.path, exc)
+    logger.error("a model replica failed on %s (request %s): %r", request.url.path, _request_id(request), exc)
     return error_response(
         503, "service_unavailable", "the model replica failed on this request; retry shortly", None, 5
     )
@@ -200,8 +214,15 @@ async def on_error(request: Request, exc: Exception) -> JSONResponse:
             if isinstance(exc, InvalidInput):
                 return error_response(status, name, f"{exc.field}: {exc.message}", exc.field)
             wait = exc.retry_after_s if isinstance(exc, Overloaded) else retry
+            if status >= 500:
+                logger.warning("%s on %s (request %s): %s", name, request.url.path, _request_id(request), exc)
             return error_response(status, name, str(exc), None, wait)
     raise exc
+
+
+def _request_id(request: Request) -> str | None:
+    """The x-request-id every answer carries (the client's, or Serve's), for the log lines of a failure."""
+    return request.headers.get("x-request-id")
 
 
 class _ClientLeft(Exception):
@@ -277,27 +298,6 @@ class BodyGuard:
         return replay
 
 
-class BearerAuth:
-    """`Authorization: Bearer <key>` (or `x-api-key: <key>`, as the anthropic client sends it) on every path but
-    health and docs, when the key's env var is set."""
-
-    def __init__(self, app: ASGIApp, key_env: str) -> None:
-        self.app = app
-        self.key_env = key_env
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        key = os.environ.get(self.key_env)
-        if scope["type"] == "http" and key and scope["path"] not in OPEN_PATHS:
-            headers = Headers(scope=scope)
-            scheme, _, token = headers.get("authorization", "").partition(" ")
-            token = token.strip() if scheme.lower() == "bearer" else headers.get("x-api-key", "")
-            if not token or not hmac.compare_digest(token.encode(), key.encode()):
-                response = error_response(401, "authentication_error", "send Authorization: Bearer <API key>")
-                response.headers["WWW-Authenticate"] = "Bearer"
-                return await response(scope, receive, send)
-        await self.app(scope, receive, send)
-
-
 class CompactionIngress(OpenAiIngress):
     """ray.serve.llm's OpenAI ingress plus the compaction endpoint."""
 
@@ -311,18 +311,28 @@ class CompactionIngress(OpenAiIngress):
         windows: dict[str, int],
         aliases: dict[str, str] | None = None,
         lora_paths: dict[str, str] | None = None,
+        tenancy: TenancyConfig | None = None,
+        allow_unauthenticated: bool = False,
     ) -> None:
+        if tenancy is not None:  # here, in the ingress's process: its environment holds the keys
+            check_exposure(KeyTable(read_keys(tenancy)), http_host(), allow_unauthenticated, tenancy)
         super().__init__(llm_deployments, model_cards, lora_paths=lora_paths)
         self._coordinator = coordinator
         self._tokenizer_sources = tokenizer_sources
         self._windows = windows
         self._aliases = aliases or {}
-        self._counters: dict[str, PromptCounter] = {}
-        self._suspects = Suspects()  # jobs a coordinator died running: never resent (serving.coordinator_calls)
+        self._tokenizers: dict[str, HFChatTokenizer] = {}
+        self._counters: dict[tuple[str, str], PromptCounter] = {}  # (tenant, model) -> its sessions' counts
+        self._suspects = Suspects()  # jobs coordinators died running (serving.coordinator_calls)
 
     async def compact(self, body: CompactRequest, request: Request) -> ServiceResult:
         """Compact a history; the stats show where each chunk ran, what the cache served and the queue wait."""
-        return await self._compact(body.job(request.headers.get(SESSION_HEADER)))
+        return await self._compact(body.job(_header_session(request), tenant_of(request)))
+
+    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        """OpenAI completions, in the caller's own prefix-cache namespace."""
+        salt = tenant_of(request).salted(body.cache_salt)
+        return await super().completions(body.model_copy(update={"cache_salt": salt}), request)
 
     async def _compact(self, job: CompactJob) -> ServiceResult:
         # The coordinator enforces timeout_s per attempt; this bounds the whole call, retries on another
@@ -343,17 +353,18 @@ class CompactionIngress(OpenAiIngress):
     async def chat(self, body: ChatRequest, request: Request) -> Response:
         """OpenAI chat completions. With `context_management`, compacted server-side (see serving.chat)."""
         if CONTEXT_MANAGEMENT not in (body.model_extra or {}):
-            return await super().chat(body, request)
-        call = ChatCall(await request.json(), request.headers.get(SESSION_HEADER) or None)
-        forward, outcome = await self._prepare(call, "chat")
+            salt = tenant_of(request).salted(body.cache_salt)
+            return await self._chat_on_a_live_replica(body.model_copy(update={"cache_salt": salt}), request)
+        call = ChatCall(await request.json(), _header_session(request))
+        forward, outcome = await self._prepare(call, "chat", request)
         response = await self._answer(forward, call, request)
         return with_compaction(response, outcome) if outcome is not None else response
 
     async def responses(self, body: ResponsesRequest, request: Request) -> Response:
         """OpenAI Responses over the chat path, compaction items included (see serving.wire.responses)."""
         body = body.model_copy(update={"model": self._aliases.get(body.model, body.model)})
-        call = wire_responses.to_chat(body, request.headers.get(SESSION_HEADER) or None)
-        forward, outcome = await self._prepare(call, "responses")
+        call = wire_responses.to_chat(body, _header_session(request))
+        forward, outcome = await self._prepare(call, "responses", request)
         response = await self._answer(forward, call, request)
         sent = forward["messages"]
         if isinstance(response, StreamingResponse):
@@ -363,16 +374,24 @@ class CompactionIngress(OpenAiIngress):
     async def responses_compact(self, body: CompactResponsesRequest, request: Request) -> dict[str, Any]:
         """OpenAI's compaction endpoint: the kept user messages and one compaction item standing for the input."""
         body = body.model_copy(update={"model": self._aliases.get(body.model, body.model)})
-        call = wire_responses.compact_call(body, request.headers.get(SESSION_HEADER) or None)
+        call = wire_responses.compact_call(body, _header_session(request))
         self._window(body.model)
         messages = parse_messages(call.body["messages"], "input")
-        job = CompactJob(model=body.model, messages=messages, options=body.options(), session_id=call.session)
+        tenant = tenant_of(request)
+        job = CompactJob(
+            model=body.model,
+            messages=messages,
+            options=body.options(),
+            session_id=call.session,
+            tenant=tenant.id,
+            cache_salt=tenant.cache_salt,
+        )
         return wire_responses.compacted(await self._compact(job), call)
 
     async def messages(self, body: MessagesRequest, request: Request) -> Response:
         """Anthropic Messages over the chat path, the compaction beta included (see serving.wire.messages)."""
-        call = wire_messages.to_chat(body, request.headers.get(SESSION_HEADER) or None)
-        forward, outcome = await self._prepare(call, "messages")
+        call = wire_messages.to_chat(body, _header_session(request))
+        forward, outcome = await self._prepare(call, "messages", request)
         sent = forward["messages"]
         if call.pause and outcome is not None and outcome.status == "applied":  # the compaction, no reply
             if body.stream:
@@ -388,31 +407,37 @@ class CompactionIngress(OpenAiIngress):
         call = wire_messages.to_chat(body, None)
         self._window(body.model)
         messages = parse_messages(call.body["messages"])
-        return {"input_tokens": self._counter(body.model).count(messages, None)}
+        return {"input_tokens": self._counter(body.model, tenant_of(request)).count(messages, None)}
 
     def _window(self, model: str) -> int:
         if model not in self._windows:
             raise UnknownModel("model", f"unknown model {model!r}; this service hosts {sorted(self._windows)}")
         return self._windows[model]
 
-    async def _prepare(self, call: ChatCall, wire: Wire) -> tuple[dict[str, Any], TurnCompaction | None]:
+    async def _prepare(
+        self, call: ChatCall, wire: Wire, request: Request
+    ) -> tuple[dict[str, Any], TurnCompaction | None]:
         """The chat request to send the model (compacted if the entry asks) and the turn's compaction outcome."""
         model = str(call.body.get("model"))
         window = self._window(model)
+        tenant = tenant_of(request)
+        counter = self._counter(model, tenant)
         try:
-            return await prepare_turn(call.body, call.session, self._counter(model), window, self._turn, wire)
+            return await prepare_turn(call.body, call.session, counter, window, self._turn, wire, tenant)
         except InvalidInput as exc:  # named as the caller's format names the field
             raise type(exc)(call.wire_field(exc.field), exc.message) from exc
 
     async def _answer(self, forward: dict[str, Any], call: ChatCall, request: Request) -> Response:
         """ray.serve.llm's chat completion of `forward`, on the session's replica."""
+        tenant = tenant_of(request)
+        salt = tenant.salted(forward.get("cache_salt") if isinstance(forward.get("cache_salt"), str) else None)
         try:
-            chat = ChatRequest.model_validate(forward)
+            chat = ChatRequest.model_validate({**forward, "cache_salt": salt} if salt else forward)
         except ValidationError as exc:
             first = exc.errors()[0]
             raise InvalidInput(field_path(("body", *first["loc"])), f"{first['msg']} (in the chat request)") from exc
         response = await self._chat_on_a_live_replica(chat, _with_session(request, call.session))
-        counter = self._counter(str(forward.get("model")))
+        counter = self._counter(str(forward.get("model")), tenant)
         return when_sent(response, lambda: counter.replied(call.session))  # the agent is in its tools from then
 
     async def _chat_on_a_live_replica(self, chat: ChatRequest, request: Request) -> Response:
@@ -427,11 +452,14 @@ class CompactionIngress(OpenAiIngress):
                 await asyncio.sleep(pause)
         raise BackendError("no model replica could answer this turn right now; retry after the Retry-After seconds")
 
-    def _counter(self, model: str) -> PromptCounter:
-        if model not in self._counters:
-            tokenizer = HFChatTokenizer.from_path(self._tokenizer_sources[model])
-            self._counters[model] = PromptCounter(tokenizer, tokenizer.special_tokens)
-        return self._counters[model]
+    def _counter(self, model: str, tenant: Tenant) -> PromptCounter:
+        """The tenant's prompt counter of `model` (one tenant's sessions never evict or skew another's)."""
+        if (tenant.id, model) not in self._counters:
+            if model not in self._tokenizers:
+                self._tokenizers[model] = HFChatTokenizer.from_path(self._tokenizer_sources[model])
+            tokenizer = self._tokenizers[model]
+            self._counters[(tenant.id, model)] = PromptCounter(tokenizer, tokenizer.special_tokens)
+        return self._counters[(tenant.id, model)]
 
     async def _turn(self, turn: ChatTurn) -> TurnCompaction:
         """The coordinator's decision for a turn, on the replica the session hashes to (retried on a live one)."""
@@ -451,6 +479,10 @@ class CompactionIngress(OpenAiIngress):
         if starting:
             raise BackendError(f"no running replica yet for {starting}; the models are starting or failed")
         return {"status": "ok", "models": sorted(replicas), "replicas": replicas}
+
+
+def _header_session(request: Request) -> str | None:
+    return checked_session(request.headers.get(SESSION_HEADER), SESSION_HEADER)
 
 
 def _json(response: Response) -> dict[str, Any]:
@@ -485,8 +517,11 @@ def compaction_routes() -> dict[str, Any]:
     }
 
 
-def make_ingress(max_request_bytes: int, api_key_env: str) -> type:
-    """The ingress class, bound to a FastAPI app with the error table, size limit and auth."""
+def make_ingress(
+    max_request_bytes: int, tenancy: TenancyConfig | None = None, cors_origins: Sequence[str] = ()
+) -> type:
+    """The ingress class, bound to a FastAPI app with the error table, size limit, tenants and auth (the keys
+    are read where the app runs), and CORS only for `cors_origins`."""
     app: FastAPI = openai_app(
         "Parallel context compaction",
         "POST /v1/compact compacts an agent's history with parallel chunk summaries; the OpenAI "
@@ -498,6 +533,7 @@ def make_ingress(max_request_bytes: int, api_key_env: str) -> type:
     for kind, *_ in ERRORS:
         app.add_exception_handler(kind, on_error)
     app.add_middleware(BodyGuard, max_bytes=max_request_bytes)
-    app.add_middleware(BearerAuth, key_env=api_key_env)
+    app.add_middleware(TenantGate, config=tenancy or TenancyConfig())
     app.add_middleware(AnthropicErrors)
+    allow_origins(app, cors_origins)  # outermost: a preflight carries no key
     return make_fastapi_ingress(CompactionIngress, endpoint_map={**openai_routes(), **compaction_routes()}, app=app)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import os
 import time
 from typing import Any, cast
 
@@ -39,6 +38,7 @@ from serving.ray_adapter import ROUTER_CLASS, model_card, router_kwargs
 from serving.routing import CostModel
 from serving.sessions import DEFAULT_MAX_BYTES as SESSION_BYTES
 from serving.sessions import ChatTurn, SessionCompactions, TurnCompaction
+from serving.tenants import TenancyConfig, TenantLimits
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 COORDINATOR_MAX_ONGOING = 100_000
@@ -56,8 +56,38 @@ class AppArgs(BaseModel):
     api_key_env: str = Field(
         "COMPACTION_API_KEY",
         min_length=1,
-        description="Env var holding the API key; when set, every endpoint but /healthz and /docs needs "
-        "Authorization: Bearer <key>. Unset: no auth (fine on 127.0.0.1).",
+        max_length=256,
+        description="Env var of the ingress's process holding one API key (the tenant 'default'); when any key "
+        "is set, every endpoint but /healthz and /docs needs Authorization: Bearer <key> (or x-api-key).",
+    )
+    api_keys_env: str = Field(
+        "COMPACTION_API_KEYS",
+        min_length=1,
+        max_length=256,
+        description="Env var of the ingress's process holding tenant:key entries, separated by commas or newlines.",
+    )
+    api_keys_file: str | None = Field(
+        None,
+        min_length=1,
+        max_length=4096,
+        description="Path, on the ingress's node, of a file of tenant:key lines ('#' comments), e.g. a mounted "
+        "Kubernetes Secret.",
+    )
+    allow_unauthenticated: bool = Field(
+        False,
+        description="Serve without any API key even when Serve listens beyond loopback (otherwise the ingress "
+        "refuses to start).",
+    )
+    cors_origins: list[str] = Field(
+        default_factory=list,
+        max_length=256,
+        description="Origins a browser may call the service from (CORS); empty: no CORS headers at all.",
+    )
+    tenant_limits: TenantLimits = Field(
+        default_factory=TenantLimits, description="Every tenant's limits, per ingress replica (429 + Retry-After)."
+    )
+    tenant_limit_overrides: dict[str, TenantLimits] = Field(
+        default_factory=dict, description="Limits of particular tenants (by tenant id), replacing tenant_limits."
     )
     max_request_bytes: int = Field(16 * 1024 * 1024, ge=1024, le=1 << 30, description="Bodies above this size get 413.")
     max_concurrent_compactions: int | None = Field(
@@ -257,6 +287,17 @@ class CoordinatorDeployment:
         await self._backends[model].reset_prefix_cache()
 
 
+def tenancy(opts: AppArgs) -> TenancyConfig:
+    """Where the ingress finds its keys, and the tenants' limits (no secret in it)."""
+    return TenancyConfig(
+        api_key_env=opts.api_key_env,
+        api_keys_env=opts.api_keys_env,
+        api_keys_file=opts.api_keys_file,
+        limits=opts.tenant_limits,
+        overrides=dict(opts.tenant_limit_overrides),
+    )
+
+
 def parse_args(args: dict[str, Any] | AppArgs | None) -> AppArgs:
     if isinstance(args, AppArgs):
         return args
@@ -319,9 +360,8 @@ def build_app(args: dict[str, Any]) -> Application:
         .bind(llms, specs, opts)
     )
     options = OpenAiIngress.get_deployment_options(list(configs.values()))
-    key = os.environ.get(opts.api_key_env)  # the key travels to the ingress wherever it runs
-    actor = actor_options({opts.api_key_env: key} if key else None)
-    ingress = make_ingress(opts.max_request_bytes, opts.api_key_env)
+    ingress = make_ingress(opts.max_request_bytes, tenancy(opts), opts.cors_origins)
+    actor = actor_options()  # no key in it: the ingress reads its keys from its own environment or file
     deployment = as_deployment(ingress).options(name="CompactionIngress", ray_actor_options=actor, **options)
     return deployment.bind(
         llm_deployments=llms,
@@ -330,4 +370,6 @@ def build_app(args: dict[str, Any]) -> Application:
         tokenizer_sources={spec.name: spec.resolved_source() for spec in specs},
         windows={spec.name: spec.max_model_len for spec in specs},
         aliases=dict(opts.model_aliases),
+        tenancy=tenancy(opts),
+        allow_unauthenticated=opts.allow_unauthenticated,
     )

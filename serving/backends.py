@@ -25,6 +25,7 @@ from compaction.backend import Generation, GenerationRequest
 from compaction.errors import BackendError, InvalidInput, Overloaded
 from compaction.pacing import CPU_RULE
 from serving.models import cpu_dtype, yielding_engine_args
+from serving.tenants import client_headers
 
 
 class VLLMBackend:
@@ -144,7 +145,7 @@ class OpenAIBackend:
         timeout_s: float = 600.0,
         client: httpx.AsyncClient | None = None,
     ) -> None:
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else client_headers()
         self.model = model
         self.client = client or httpx.AsyncClient(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout_s)
 

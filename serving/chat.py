@@ -28,6 +28,7 @@ from compaction.errors import InvalidInput
 from compaction.history import ChatTokenizer, Message, parse_messages, template_view
 from compaction.policy import ContextManagement, check_window, parse_context_management, wants_background
 from serving.sessions import ChatTurn, TurnCompaction, Wire
+from serving.tenants import ANONYMOUS, Tenant
 
 FIELD = "context_management"
 DEFAULT_REPLY_TOKENS = 256  # reply budget assumed when the request sets none (window check only)
@@ -151,9 +152,11 @@ async def prepare_turn(
     window: int,
     ask: CoordinatorCall,
     wire: Wire = "chat",
+    tenant: Tenant = ANONYMOUS,
 ) -> tuple[dict[str, Any], TurnCompaction | None]:
     """The request to forward to the model (context_management removed, maybe compacted) and the outcome.
-    `wire`: the API format the turn arrived in (a translated Responses or Messages request is a chat body)."""
+    `wire`: the API format the turn arrived in (a translated Responses or Messages request is a chat body);
+    `tenant`: who sent it (`counter` is that tenant's)."""
     entry = parse_context_management(body.get(FIELD))
     forward = {k: v for k, v in body.items() if k != FIELD}
     if entry is None:
@@ -180,6 +183,8 @@ async def prepare_turn(
         idle_s=idle,
         room=window - reply,
         wire=wire,
+        tenant=tenant.id,
+        cache_salt=tenant.cache_salt,
     )
     outcome = await ask(turn)
     counter.answered(session, tokens, outcome.compacted_prompt_tokens or tokens)

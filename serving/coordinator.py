@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -60,6 +60,7 @@ from serving.routing import (
     history_key,
     place,
 )
+from serving.tenants import DEFAULT_TENANT
 
 
 class CompactJob(BaseModel):
@@ -73,11 +74,13 @@ class CompactJob(BaseModel):
     placement: PlacementMode = "auto"
     timeout_s: float | None = None  # this caller's deadline; None: the service's compaction_timeout_s
     priority: Priority = "agent"  # background: its prompts yield to agent turns on the engines (compaction.pacing)
+    tenant: str = DEFAULT_TENANT  # whose it is: dedup, the chunk-summary cache and sessions are per tenant
+    cache_salt: str | None = None  # the tenant's prefix-cache salt on the engines (serving.tenants); None: unsalted
 
-    def key(self) -> tuple[str, str | None, str]:
-        """Identity for de-duplication: the same session asking for the same compaction (deadline aside)."""
+    def key(self) -> tuple[str, str, str | None, str]:
+        """Identity for de-duplication: the same tenant's session asking for the same compaction (deadline aside)."""
         digest = hashlib.sha256(self.model_dump_json(exclude={"timeout_s"}).encode()).hexdigest()
-        return self.model, self.session_id, digest
+        return self.model, self.tenant, self.session_id, digest
 
 
 class ServiceStats(CompactionStats):
@@ -174,6 +177,18 @@ class Recorder:
 
 
 @dataclass(frozen=True)
+class Salted:
+    """Sends every prompt with the tenant's prefix-cache salt, so it reads and fills only that tenant's blocks."""
+
+    inner: Backend
+    cache_salt: str | None
+
+    async def generate(self, request: GenerationRequest) -> Generation:
+        salted = replace(request, cache_salt=self.cache_salt) if self.cache_salt else request
+        return await self.inner.generate(salted)
+
+
+@dataclass(frozen=True)
 class ModelRuntime:
     """What the coordinator holds per hosted model."""
 
@@ -194,7 +209,7 @@ class AdmissionConfig:
 
 def _plan(compactor: Compactor, job: CompactJob) -> tuple[CompactionPlan, int]:
     """The job's plan and how many of its chunks the chunk cache already holds (run in a worker thread)."""
-    plan = compactor.plan(job.messages, job.options)
+    plan = compactor.plan(job.messages, job.options, namespace=job.tenant)
     return plan, len(compactor.reusable(plan))
 
 
@@ -266,14 +281,16 @@ class Coordinator:
             for model, gate in self._gates.items():
                 self.metrics.queue(model, gate.state())
 
-    async def warm(self, model: str, messages: list[Message], session_id: str) -> int:
+    async def warm(self, model: str, messages: list[Message], session_id: str, cache_salt: str | None = None) -> int:
         """Prefill `messages` on the session's home replica at background priority, so the agent's next turn
         reads them from the prefix cache (a compacted prompt before it is first sent). Returns the tokens."""
         compactor = self.runtime(model).compactor
         tokenizer = compactor.tokenizer
         ids = tuple(tokenizer.encode(tokenizer.render([template_view(m) for m in messages])))
         route = RouteKey(session_id).encode()
-        request = GenerationRequest(ids, max_tokens=1, request_id="warm", routing_key=route, priority=BACKGROUND)
+        request = GenerationRequest(
+            ids, max_tokens=1, request_id="warm", routing_key=route, priority=BACKGROUND, cache_salt=cache_salt
+        )
         await compactor.backend.generate(request)
         return len(ids)
 
@@ -298,7 +315,7 @@ class Coordinator:
         compactor = runtime.compactor
         shape = self._placement_input(plan, job, replicas, compactor)
         placement = await asyncio.to_thread(place, shape, job.placement, runtime.cost)  # compares the prompts
-        recorder = Recorder(compactor.backend)
+        recorder = Recorder(Salted(compactor.backend, job.cache_salt))
         backend = Escalation(recorder, PRIORITIES[job.priority], urgent)
         result = await compactor.run(plan, routes=placement.routes(), backend=backend)
         out = self._result(plan, placement, result, recorder, job.session_id)

@@ -140,7 +140,7 @@ async def call_coordinator(
             continue
         except RayError as exc:  # a coordinator bug: logged in full, answered without internals
             logger.exception("coordinator call %s raised", method)
-            raise BackendError(f"the compaction coordinator failed ({type(exc).__name__}); retry shortly") from exc
+            raise BackendError("the compaction coordinator failed; retry shortly") from exc
         if isinstance(outcome, Failure):
             raise outcome.exception()
         return outcome

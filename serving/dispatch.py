@@ -15,6 +15,7 @@ ray.serve.llm's vLLM engine abort the request.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import replace
 from typing import Any
@@ -29,6 +30,7 @@ from compaction.errors import BackendError, InvalidInput, Overloaded
 from serving.routing import RouteKey
 
 RETRY_AFTER_S = 5.0
+logger = logging.getLogger(__name__)
 
 
 class ReplicaFailed(Exception):
@@ -56,7 +58,8 @@ class ReplicaBackend:
             except ReplicaFailed as failed:
                 failures.append(str(failed))
                 key = key.avoiding(failed.replica)
-        raise BackendError(f"no replica of {self.model_id} could serve the prompt: {'; '.join(failures)}")
+        logger.warning("no replica of %s could serve a prompt: %s", self.model_id, "; ".join(failures))
+        raise BackendError(f"no replica of {self.model_id} could serve the prompt; retry shortly")
 
     def _body(self, request: GenerationRequest) -> CompletionRequest:
         return CompletionRequest(
@@ -67,6 +70,7 @@ class ReplicaBackend:
             temperature=request.temperature,
             repetition_penalty=request.repetition_penalty,
             priority=request.priority,
+            cache_salt=request.cache_salt,
         )
 
     async def _once(self, request: GenerationRequest, key: RouteKey) -> Generation:
@@ -88,7 +92,7 @@ class ReplicaBackend:
                 stream.cancel()  # abort the prompt on the engine
             raise
         except BackPressureError as exc:
-            raise Overloaded(f"{self.model_id} replicas are saturated: {exc}", RETRY_AFTER_S) from exc
+            raise Overloaded(f"{self.model_id} replicas are saturated; retry shortly", RETRY_AFTER_S) from exc
         except RayError as exc:
             raise ReplicaFailed(replica, f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}") from exc
         return self._generation(final, replica, len(request.prompt_token_ids), time.perf_counter() - began)

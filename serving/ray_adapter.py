@@ -13,18 +13,24 @@ import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import ray
 from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 from ray.llm._internal.serve.core.configs.openai_api_models import ChatCompletionRequest as ChatRequest
-from ray.llm._internal.serve.core.configs.openai_api_models import to_model_metadata
+from ray.llm._internal.serve.core.configs.openai_api_models import CompletionRequest, to_model_metadata
 from ray.llm._internal.serve.core.ingress.ingress import DEFAULT_ENDPOINTS
 from ray.llm._internal.serve.core.ingress.ingress import init as init_openai_app
+from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
 from ray.serve.experimental.consistent_hash_router import ConsistentHashRouter
 from ray.serve.request_router import PendingRequest, RunningReplica
 
 from serving.routing import RouteKey, order_replicas
 
 OPENAI_ROUTES = ("models", "model_data", "completions", "chat")
-__all__ = ["ROUTER_CLASS", "ChatRequest", "SessionRouter", "model_card", "openai_app", "openai_routes", "router_kwargs"]
+__all__ = [
+    "ROUTER_CLASS", "ChatRequest", "CompletionRequest", "SessionRouter", "http_host", "model_card", "openai_app",
+    "openai_routes", "router_kwargs",
+]  # fmt: skip
 ROUTER_CLASS = "serving.ray_adapter:SessionRouter"
 
 
@@ -88,11 +94,23 @@ def router_kwargs() -> dict[str, Any]:
 
 
 def openai_app(title: str, description: str) -> FastAPI:
-    """ray.serve.llm's FastAPI app (its exception, CORS, metrics and request-id middleware)."""
+    """ray.serve.llm's FastAPI app (its exception, metrics and request-id middleware) without its CORS middleware
+    (any origin, with credentials): the caller adds CORS for the origins it allows, if any."""
     app = init_openai_app()
     app.title = title
     app.description = description
+    app.user_middleware = [m for m in app.user_middleware if m.cls is not CORSMiddleware]
     return app
+
+
+def http_host(timeout_s: float = 30.0) -> str | None:
+    """The host Serve's HTTP proxies bind (from the Serve controller); None when it cannot be read."""
+    try:
+        controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+        options: Any = ray.get(controller.get_http_config.remote(), timeout=timeout_s)
+        return str(options.host)
+    except Exception:  # no controller reachable: the caller treats the host as exposed
+        return None
 
 
 def openai_routes(names: Sequence[str] = OPENAI_ROUTES) -> dict[str, Callable[[FastAPI], Callable[..., Any]]]:

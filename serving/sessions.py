@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Coroutine, Sequence
@@ -46,6 +47,7 @@ from compaction.policy import (
     wants_background,
 )
 from serving.coordinator import CompactJob, Failure, ServiceResult, ServiceStats
+from serving.tenants import DEFAULT_TENANT
 
 Status = Literal["applied", "running", "none"]
 Wire = Literal["chat", "responses", "messages"]
@@ -53,8 +55,9 @@ DEFAULT_MAX_BYTES = 512 * 2**20  # per coordinator replica: background jobs and 
 WIRE_FIELD = "session"  # the field a wire mismatch names; the ingress says where its session id came from
 # The coordinator's admission entry: (job, urgent) -> result; `urgent` set raises a background job's priority.
 CompactFn = Callable[[CompactJob, asyncio.Event], Coroutine[Any, Any, ServiceResult]]
-# Prefill a prompt on the session's replica at background priority: (model, messages, session) -> tokens.
-WarmFn = Callable[[str, list[Message], str], Coroutine[Any, Any, int]]
+# Prefill a prompt on the session's replica at background priority: (model, messages, session, cache salt) -> tokens.
+WarmFn = Callable[[str, list[Message], str, str | None], Coroutine[Any, Any, int]]
+logger = logging.getLogger(__name__)
 
 
 class ChatTurn(BaseModel):
@@ -72,6 +75,8 @@ class ChatTurn(BaseModel):
     )
     room: int = Field(description="The most prompt tokens the model window takes beside the reply budget.")
     wire: Wire = Field("chat", description="The API format of the turn; a session keeps the format it began with.")
+    tenant: str = Field(DEFAULT_TENANT, description="Whose turn: sessions and their runs are per tenant.")
+    cache_salt: str | None = Field(None, description="The tenant's prefix-cache salt on the engines (None: unsalted).")
 
 
 class TurnCompaction(BaseModel):
@@ -102,7 +107,7 @@ class _Running:
     """A background compaction of one session's snapshot, then its compacted prompt prefilled (`warmed`)."""
 
     snapshot: Snapshot  # the messages it summarises
-    made_for: tuple[str, str]  # the model and options it runs with: only a turn with the same may use it
+    made_for: tuple[str, str, str, str | None]  # model, options, tenant, salt: only a turn with the same may use it
     compaction: asyncio.Task[ServiceResult]
     warmed: asyncio.Task[ServiceResult]  # the compaction's result once its prompt is prefilled (or that failed)
     urgent: asyncio.Event  # set when a turn waits for it: its prompts then go at the agent's priority
@@ -120,8 +125,8 @@ class _Running:
         self.warmed.cancel()
 
 
-def _made_for(turn: ChatTurn) -> tuple[str, str]:
-    return turn.model, turn.entry.options().model_dump_json()
+def _made_for(turn: ChatTurn) -> tuple[str, str, str, str | None]:
+    return turn.model, turn.entry.options().model_dump_json(), turn.tenant, turn.cache_salt
 
 
 class SessionCompactions:
@@ -139,18 +144,22 @@ class SessionCompactions:
         self._warm = warm
         self.max_sessions = max_sessions
         self.max_bytes = max_bytes
-        self._sessions: OrderedDict[str, _Running] = OrderedDict()
-        self._wires: OrderedDict[str, Wire] = OrderedDict()  # the format each recent session speaks
+        # Per tenant (each bounded by max_sessions, so one tenant's sessions never evict another's):
+        self._runs: dict[str, OrderedDict[str, _Running]] = {}  # session -> its background run
+        self._formats: dict[str, OrderedDict[str, Wire]] = {}  # session -> the format it speaks
 
     def __len__(self) -> int:
-        return len(self._sessions)
+        return sum(len(runs) for runs in self._runs.values())
+
+    def _sessions(self, turn: ChatTurn) -> OrderedDict[str, _Running]:
+        return self._runs.setdefault(turn.tenant, OrderedDict())
 
     async def turn(self, turn: ChatTurn, tokenizer: ChatTokenizer) -> TurnCompaction:
         """Decide and do this turn's compaction (see compaction.policy). Raises only for the caller's own errors."""
         began = time.perf_counter()
         self._check_wire(turn)
         digests = message_digests(turn.messages)
-        running = self._sessions.get(turn.session_id) if turn.session_id else None
+        running = self._sessions(turn).get(turn.session_id) if turn.session_id else None
         state: Background = running.state(digests, turn) if running else "absent"
         action = decide(turn.prompt_tokens, turn.entry, state, turn.session_id is not None, turn.growth, turn.idle_s)
         if action == "start_background":
@@ -163,7 +172,7 @@ class SessionCompactions:
         result = None
         if running is not None and state != "absent":  # apply or wait for it; if it failed, say why
             result, note = await self._finish(running)
-            self._sessions.pop(turn.session_id or "", None)
+            self._sessions(turn).pop(turn.session_id or "", None)
         source: Literal["background", "blocking"] = "background" if result is not None else "blocking"
         try:
             return await self._apply(turn, tokenizer, result, source, began, note)
@@ -174,20 +183,21 @@ class SessionCompactions:
         """A session speaks one API format: a turn of another is refused, never mixed in silently."""
         if not turn.session_id:
             return
-        known = self._wires.setdefault(turn.session_id, turn.wire)
+        wires = self._formats.setdefault(turn.tenant, OrderedDict())
+        known = wires.setdefault(turn.session_id, turn.wire)
         if known != turn.wire:
             raise InvalidInput(
                 WIRE_FIELD,
                 f"session {turn.session_id!r} has {known} turns; a {turn.wire} turn cannot join it: "
                 "use another session id for this API",
             )
-        self._wires.move_to_end(turn.session_id)
-        while len(self._wires) > self.max_sessions:
-            self._wires.popitem(last=False)
+        wires.move_to_end(turn.session_id)
+        while len(wires) > self.max_sessions:
+            wires.popitem(last=False)
 
     def bytes(self) -> int:
         """What the kept background runs hold, about (see `_Running.bytes`)."""
-        return sum(r.bytes for r in self._sessions.values())
+        return sum(r.bytes for runs in self._runs.values() for r in runs.values())
 
     def _start(self, turn: ChatTurn, messages: Sequence[Message], digests: Sequence[str]) -> None:
         session = turn.session_id or ""
@@ -197,17 +207,22 @@ class SessionCompactions:
         warmed = asyncio.create_task(_lean(lambda: self._warmed(compaction, job, urgent)), name=f"warm-{session}")
         for task in (compaction, warmed):
             task.add_done_callback(_retrieve)
-        stale = self._sessions.get(session)
+        sessions = self._sessions(turn)
+        stale = sessions.get(session)
         if stale is not None:  # a snapshot of a history the client no longer has, or of other options
             stale.cancel()
         running = _Running(
             Snapshot.of(digests), _made_for(turn), compaction, warmed, urgent, len(job.model_dump_json())
         )
         compaction.add_done_callback(lambda task: _measure(running, task))
-        self._sessions[session] = running
-        self._sessions.move_to_end(session)
-        while len(self._sessions) > self.max_sessions or (len(self._sessions) > 1 and self.bytes() > self.max_bytes):
-            _, old = self._sessions.popitem(last=False)
+        sessions[session] = running
+        sessions.move_to_end(session)
+        while len(sessions) > self.max_sessions:
+            _, old = sessions.popitem(last=False)
+            old.cancel()
+        while self.bytes() > self.max_bytes and len(self) > 1:  # the heaviest tenant's oldest run goes first
+            heaviest = max(self._runs.values(), key=lambda runs: sum(r.bytes for r in runs.values()))
+            _, old = heaviest.popitem(last=False)
             old.cancel()
 
     async def _warmed(
@@ -219,7 +234,7 @@ class SessionCompactions:
         if self._warm is not None and job.session_id and not urgent.is_set():
             prompt = spliced(result.messages[: result.kept_head + 1], result.replaces_through, job.messages)
             with contextlib.suppress(CompactionError):  # a cache warm-up only; the turn prefills it otherwise
-                await self._warm(job.model, prompt, job.session_id)
+                await self._warm(job.model, prompt, job.session_id, job.cache_salt)
         return result
 
     @staticmethod
@@ -233,8 +248,9 @@ class SessionCompactions:
             if not running.compaction.cancelled():
                 raise  # this turn itself was cancelled (client gone); the background run goes on
             return None, "the background compaction was cancelled; compacted now"
-        except Exception as exc:  # whatever went wrong in the background, this turn compacts now instead
-            return None, f"the background compaction failed ({exc}); compacted now"
+        except Exception:  # whatever went wrong in the background, this turn compacts now instead (details: log)
+            logger.warning("a background compaction failed; the turn compacts now", exc_info=True)
+            return None, "the background compaction failed; compacted now"
 
     async def _apply(
         self,
@@ -290,7 +306,13 @@ class SessionCompactions:
             keep = max(0, options.keep_recent_tokens - turn.growth)
             options = options.model_copy(update={"keep_recent_tokens": keep})
         return CompactJob(
-            model=turn.model, messages=list(messages), options=options, session_id=turn.session_id, priority=priority
+            model=turn.model,
+            messages=list(messages),
+            options=options,
+            session_id=turn.session_id,
+            priority=priority,
+            tenant=turn.tenant,
+            cache_salt=turn.cache_salt,
         )
 
 

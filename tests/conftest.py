@@ -14,7 +14,17 @@ import pytest
 from compaction.tokenizer import HFChatTokenizer
 from jobs.data.conversations import SHARED_DATA
 from serving.weights import is_ready, model_dir
-from tests.support import SERVICE_ALIASES, SERVICE_LIMITS, SERVICE_MAX_BYTES, SERVICE_REPLICAS, free_port
+from tests.support import (
+    SERVICE_ALIASES,
+    SERVICE_KEY,
+    SERVICE_LIMITS,
+    SERVICE_MAX_BYTES,
+    SERVICE_REPLICAS,
+    SERVICE_TENANCY,
+    TENANT_KEYS,
+    auth,
+    free_port,
+)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -72,6 +82,7 @@ def ray_cluster() -> Iterator[None]:
     from ray import serve
 
     os.environ["RAY_metrics_report_interval_ms"] = "1000"  # noqa: SIM112 (Ray reads this exact name)
+    os.environ["COMPACTION_API_KEY"] = SERVICE_KEY + "\n"  # the cluster's processes inherit it, the ingress too
     root = Path(__file__).resolve().parents[1]
     ray.init(
         address="local",
@@ -87,14 +98,24 @@ def ray_cluster() -> Iterator[None]:
 
 
 @pytest.fixture(scope="session")
-def service(ray_cluster: None) -> Iterator[Any]:
+def service(ray_cluster: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """The real application, started once for the whole suite (about 80 s): every real-service test shares it.
 
-    Tests that kill parts of it carry the `destructive` marker and run last.
+    Tests that kill parts of it carry the `destructive` marker and run last. Every request needs a tenant's key
+    (tests.support): the default tenant's, or one of the keys file's.
     """
     from serving.local import LocalService
 
-    args = {"max_request_bytes": SERVICE_MAX_BYTES, **SERVICE_LIMITS, **SERVICE_REPLICAS, **SERVICE_ALIASES}
+    keys = tmp_path_factory.mktemp("tenants") / "keys"
+    keys.write_text("# tenant:key\n" + "".join(f"  {tenant}: {key}  \n" for tenant, key in TENANT_KEYS.items()))
+    args = {
+        "max_request_bytes": SERVICE_MAX_BYTES,
+        "api_keys_file": str(keys),
+        **SERVICE_LIMITS,
+        **SERVICE_REPLICAS,
+        **SERVICE_ALIASES,
+        **SERVICE_TENANCY,
+    }
     with LocalService(free_port(), args) as running:
         yield running
 
@@ -110,5 +131,5 @@ def metrics_url(ray_cluster: None) -> str:
 
 @pytest.fixture(scope="session")
 def client(service: Any) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=service.url, timeout=900) as http:
+    with httpx.Client(base_url=service.url, headers=auth(), timeout=900) as http:
         yield http

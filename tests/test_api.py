@@ -14,7 +14,6 @@ from starlette.exceptions import HTTPException
 from compaction.errors import BackendError, DeadlineExceeded, InvalidInput, Overloaded, UnknownModel
 from serving.api import (
     ERRORS,
-    BearerAuth,
     BodyGuard,
     CompactRequest,
     field_path,
@@ -23,6 +22,7 @@ from serving.api import (
     on_replica_error,
     on_validation_error,
 )
+from serving.tenants import TenancyConfig, TenantGate
 
 GOOD: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -34,7 +34,7 @@ def app(max_bytes: int = 4096) -> FastAPI:
     for kind, *_ in ERRORS:
         api.add_exception_handler(kind, on_error)
     api.add_middleware(BodyGuard, max_bytes=max_bytes)
-    api.add_middleware(BearerAuth, key_env="TEST_COMPACTION_KEY")
+    api.add_middleware(TenantGate, config=TenancyConfig(api_key_env="TEST_COMPACTION_KEY", api_keys_env="TEST_KEYS"))
 
     @api.post("/v1/compact")
     async def compact(body: CompactRequest) -> dict[str, Any]:

@@ -9,10 +9,13 @@ import time
 from typing import Any
 
 import httpx
+import pytest
 
 from compaction.tokenizer import HFChatTokenizer
 from jobs.data.conversations import LOCOMO_PATH, load_conversation, truncate_history
 from tests.support import SERVED_MODEL, SERVICE_MAX_BYTES
+
+pytestmark = [pytest.mark.ray, pytest.mark.engine]
 
 # The CPU default's caps (compaction.limits): one engine batch of chunks, sixteen 8,192-token windows.
 MAX_CHUNKS, MAX_HISTORY_TOKENS = 128, 16 * 8192

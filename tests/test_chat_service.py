@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support import SERVED_MODEL
+from tests.support import SERVED_MODEL, SERVICE_KEY
 
 pytestmark = [pytest.mark.ray, pytest.mark.engine]
 
@@ -34,7 +34,7 @@ def coding_history(steps: int) -> list[dict[str, Any]]:
 def openai_client(url: str) -> Any:
     from openai import OpenAI
 
-    return OpenAI(base_url=f"{url}/v1", api_key="unused-without-COMPACTION_API_KEY", max_retries=0, timeout=600)
+    return OpenAI(base_url=f"{url}/v1", api_key=SERVICE_KEY, max_retries=0, timeout=600)
 
 
 def ask(client: Any, history: list[dict[str, Any]], session: str, stream: bool = False, **entry: Any) -> Any:

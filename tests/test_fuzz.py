@@ -19,6 +19,7 @@ from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 
 from serving.local import LocalService
+from tests.support import auth
 
 pytestmark = [pytest.mark.ray, pytest.mark.engine]
 
@@ -69,7 +70,7 @@ def fuzz(url: str, examples: int) -> Counter[int]:
             )
             def one(case: Any) -> None:
                 cheapen(case.path, case.body)
-                response = case.call(base_url=url, timeout=600)
+                response = case.call(base_url=url, timeout=600, headers=auth())
                 statuses[response.status_code] += 1
                 where = (case.method, case.path, response.status_code, response.text[:300])
                 assert response.status_code < 500, where

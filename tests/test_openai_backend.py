@@ -12,7 +12,7 @@ from compaction.compactor import Compactor
 from compaction.errors import BackendError
 from compaction.tokenizer import HFChatTokenizer
 from serving.backends import OpenAIBackend, parse_completion
-from tests.support import SERVED_MODEL, free_port
+from tests.support import SERVED_MODEL, auth, free_port
 
 
 def test_parse_completion_reads_cached_tokens() -> None:
@@ -47,7 +47,9 @@ async def test_compaction_over_http_reports_engine_cache(
 
     history = truncate_history(locomo_messages(locomo[1]), tokenizer, 1500)
     # One session: every prompt goes to the same model replica, whose prefix cache the stats report.
-    http = httpx.AsyncClient(base_url=service.url, headers={"x-session-id": "openai-backend-test"}, timeout=600)
+    http = httpx.AsyncClient(
+        base_url=service.url, headers={"x-session-id": "openai-backend-test", **auth()}, timeout=600
+    )
     backend = OpenAIBackend(service.url, SERVED_MODEL, client=http)
     compactor = Compactor(tokenizer, backend, context_window=4096, block_size=128)
     try:

@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from serving.local import APP_NAME, LocalService
-from tests.support import SERVED_MODEL, SERVICE_LIMITS
+from tests.support import SERVED_MODEL, SERVICE_LIMITS, auth
 
 pytestmark = [pytest.mark.ray, pytest.mark.engine]
 
@@ -96,7 +96,7 @@ async def test_a_burst_queues_then_sheds_and_identical_requests_run_once(service
     per_coordinator = SERVICE_LIMITS["max_concurrent_compactions"] + SERVICE_LIMITS["max_queued_compactions"]
     burst = 64  # against 2 x (4 running + 8 queued) admitted at most
     session = f"dedup-{uuid.uuid4().hex[:6]}"
-    async with httpx.AsyncClient(base_url=service.url, timeout=600) as http:
+    async with httpx.AsyncClient(base_url=service.url, headers=auth(), timeout=600) as http:
         replies = await asyncio.gather(
             *(http.post("/v1/compact", json=cheap(f"Burst request {i}.")) for i in range(burst))
         )
@@ -156,7 +156,7 @@ def long_compaction(tokens: int = 400, **extra: Any) -> dict[str, Any]:
 async def test_abandoned_compactions_stop_on_the_engines(service: LocalService, metrics_url: str, how: str) -> None:
     assert await asyncio.to_thread(wait_for, lambda: engine_running(metrics_url) == 0, 120) >= 0
     body = long_compaction(**({"timeout_s": 15} if how == "deadline" else {}))
-    async with httpx.AsyncClient(base_url=service.url, timeout=600) as http:
+    async with httpx.AsyncClient(base_url=service.url, headers=auth(), timeout=600) as http:
         call = asyncio.create_task(http.post("/v1/compact", json=body))
         if how == "client disconnect":
             await asyncio.to_thread(wait_for, lambda: engine_running(metrics_url) > 0, 120)
@@ -201,7 +201,7 @@ def test_a_coordinator_killed_during_a_compaction(client: httpx.Client) -> None:
     outcome: dict[str, httpx.Response] = {}
 
     async def compact() -> None:
-        async with httpx.AsyncClient(base_url=client.base_url, timeout=600) as http:
+        async with httpx.AsyncClient(base_url=client.base_url, headers=auth(), timeout=600) as http:
             outcome["response"] = await http.post("/v1/compact", json=long_compaction(16, session_id=session))
 
     async def kill_then_wait() -> None:

@@ -18,7 +18,7 @@ from compaction.tokenizer import HFChatTokenizer
 from jobs.affinity import figure, make_session, measure
 from jobs.data.conversations import locomo_messages, truncate_history
 from serving.local import APP_NAME, LocalService
-from tests.support import SERVED_MODEL, SERVICE_MAX_BYTES
+from tests.support import SERVED_MODEL, SERVICE_KEY, SERVICE_MAX_BYTES
 
 pytestmark = [pytest.mark.ray, pytest.mark.engine]
 
@@ -49,7 +49,7 @@ def test_models_health_and_docs(client: httpx.Client) -> None:
 def test_the_openai_client_talks_to_the_app(service: LocalService) -> None:
     from openai import OpenAI
 
-    openai = OpenAI(base_url=f"{service.url}/v1", api_key="unused-without-COMPACTION_API_KEY")
+    openai = OpenAI(base_url=f"{service.url}/v1", api_key=SERVICE_KEY)
     reply = openai.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Name a colour."}], max_tokens=12, temperature=0
     )

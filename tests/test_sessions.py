@@ -225,7 +225,7 @@ async def test_a_finished_background_run_is_applied_at_the_next_turn_from_a_pref
     compact = Counting(tokenizer, FakeReplicas())
     warmed: list[Any] = []
 
-    async def warm(model: str, messages: list[Any], session: str) -> int:
+    async def warm(model: str, messages: list[Any], session: str, cache_salt: str | None) -> int:
         warmed.append((model, messages, session))
         return len(messages)
 

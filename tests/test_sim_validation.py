@@ -23,6 +23,7 @@ from jobs.sim.validate import MODEL, Workload, ratio, table, validate
 from serving.backends import OpenAIBackend
 from serving.local import APP_NAME, LocalService
 from serving.models import load_catalogue
+from tests.support import auth
 
 pytestmark = [pytest.mark.ray, pytest.mark.engine]
 
@@ -44,7 +45,7 @@ def test_the_simulator_matches_the_real_service_per_policy(
     history = render_history(parse_messages(conversation), tokenizer).token_ids
 
     async def run() -> Any:
-        async with httpx.AsyncClient(base_url=service.url, timeout=900) as client:
+        async with httpx.AsyncClient(base_url=service.url, headers=auth(), timeout=900) as client:
 
             async def profile() -> Any:
                 return await calibrate(

@@ -19,6 +19,7 @@ from serving.api import CompactionIngress
 from serving.coordinator import CompactJob, ServiceResult
 from serving.ray_adapter import ChatRequest
 from serving.sessions import ChatTurn, TurnCompaction
+from serving.tenants import DEFAULT_TENANT, Tenant
 from serving.wire.messages import CountTokensRequest, MessagesRequest
 from serving.wire.responses import CompactResponsesRequest, ResponsesRequest
 from tests.test_coordinator import MODEL, FakeReplicas, coordinator
@@ -37,7 +38,7 @@ class Ingress(CompactionIngress):
         self.tokenizer = tokenizer
         self._windows = {MODEL: WINDOW}
         self._aliases = {ALIAS: MODEL}
-        self._counters = {MODEL: self.path.counter}
+        self._counters = {(DEFAULT_TENANT, MODEL): self.path.counter}
         self.turns: list[ChatTurn] = []
 
     async def _turn(self, turn: ChatTurn) -> TurnCompaction:
@@ -176,3 +177,22 @@ async def test_compact_and_count_tokens(tokenizer: HFChatTokenizer, model: Model
     count = CountTokensRequest.model_validate({"model": MODEL, "system": SYSTEM, "messages": coding_messages(2)})
     counted = await ingress.count_tokens(count, http("/v1/messages/count_tokens"))
     assert 100 < counted["input_tokens"] < 1000 and not model.sent
+
+
+async def test_a_tenants_turn_carries_its_namespace_and_cache_salt(tokenizer: HFChatTokenizer, model: Model) -> None:
+    ingress = Ingress(tokenizer)
+    ingress._tokenizers = {MODEL: tokenizer}
+    items = [*coding_items(10), {"role": "user", "content": "Which module has the bug?"}]
+    body = ResponsesRequest.model_validate(
+        {"model": MODEL, "input": items, "context_management": [ENTRY], "prompt_cache_key": "k1"}
+    )
+    request = http("/v1/responses")
+    request.scope["state"] = {"tenant": Tenant("team-a", "salt-a")}
+    await ingress.responses(body, request)
+    turn, (sent, _) = ingress.turns[0], model.sent[0]
+    assert (turn.tenant, turn.cache_salt, turn.session_id) == ("team-a", "salt-a", "k1")
+    assert sent.cache_salt == "salt-a"  # the model call reads and fills only the tenant's prefix-cache blocks
+    assert ("team-a", MODEL) in ingress._counters and ingress._counters[("team-a", MODEL)] is not ingress.path.counter
+    with pytest.raises(InvalidInput) as refused:
+        await ingress.responses(body, http("/v1/responses", "s" * 257))
+    assert refused.value.field == "x-session-id"  # the header gets the body's 256-character check

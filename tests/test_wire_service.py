@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support import SERVED_ALIAS, SERVED_MODEL
+from tests.support import SERVED_ALIAS, SERVED_MODEL, SERVICE_KEY
 from tests.test_wire_messages import coding_messages
 from tests.test_wire_responses import coding_items
 
@@ -30,13 +30,13 @@ TOO_HIGH = {"type": "input_tokens", "value": 99_999}  # past the CPU model's 8k 
 def openai_client(url: str) -> Any:
     from openai import OpenAI
 
-    return OpenAI(base_url=f"{url}/v1", api_key="unused-without-COMPACTION_API_KEY", max_retries=0, timeout=600)
+    return OpenAI(base_url=f"{url}/v1", api_key=SERVICE_KEY, max_retries=0, timeout=600)
 
 
 def anthropic_client(url: str) -> Any:
     from anthropic import Anthropic
 
-    return Anthropic(base_url=url, api_key="unused-without-COMPACTION_API_KEY", max_retries=0, timeout=600)
+    return Anthropic(base_url=url, api_key=SERVICE_KEY, max_retries=0, timeout=600)
 
 
 def session() -> str:
@@ -252,7 +252,7 @@ def test_the_openai_agents_sdks_compaction_session_compacts_through_the_service(
     steps = [f"Step {i}: " + " ".join(f"module_{i}.py line {n} splits on commas." for n in range(30)) for i in range(5)]
 
     async def run() -> tuple[list[Any], list[str]]:
-        client = AsyncOpenAI(base_url=f"{service.url}/v1", api_key="unused-without-COMPACTION_API_KEY", max_retries=0)
+        client = AsyncOpenAI(base_url=f"{service.url}/v1", api_key=SERVICE_KEY, max_retries=0)
         settings = ModelSettings(max_tokens=64, temperature=0, store=False)  # a reply that stops by itself
         model = OpenAIResponsesModel(model=SERVED_ALIAS, openai_client=client)
         agent = Agent(name="coder", instructions="Reply with the single word OK.", model=model, model_settings=settings)

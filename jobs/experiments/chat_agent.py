@@ -17,6 +17,7 @@ from jobs.agent.tools import ToolTime
 from jobs.data.episodes import Step
 from jobs.experiments.grid import Cell
 from jobs.experiments.results import compaction_columns
+from serving.tenants import client_key
 
 
 def settings(cell: Cell) -> tuple[LoopSettings, int]:
@@ -43,7 +44,7 @@ async def chat_agent_rows(cell: Cell, steps: list[Step], base_url: str) -> list[
     """Every row of one chat_agent cell, without the cell's identity columns."""
     from openai import OpenAI
 
-    client = OpenAI(base_url=f"{base_url.rstrip('/')}/v1", api_key="unused", max_retries=0, timeout=900)
+    client = OpenAI(base_url=f"{base_url.rstrip('/')}/v1", api_key=client_key() or "unused", max_retries=0, timeout=900)
     loop, hint = settings(cell)
     tools = ToolTime.parse(cell.tool_time or "0", seed=cell.repeat).seconds(len(steps))
     episode = await asyncio.to_thread(

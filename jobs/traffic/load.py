@@ -22,6 +22,7 @@ from compaction.history import ChatTokenizer
 from jobs.agent.metrics import percentile
 from jobs.agent.tools import ToolTime
 from jobs.data.conversations import locomo_messages, truncate_history
+from serving.tenants import client_headers
 
 
 @dataclass(frozen=True)
@@ -106,7 +107,7 @@ async def run_level(
     tools = [
         replace(tool_time, seed=i).seconds(len(s.observations)) if tool_time else None for i, s in enumerate(sessions)
     ]
-    async with httpx.AsyncClient(base_url=url, timeout=timeout_s, limits=limits) as http:
+    async with httpx.AsyncClient(base_url=url, headers=client_headers(), timeout=timeout_s, limits=limits) as http:
         await asyncio.gather(
             *(play(http, s, model, compaction, calls, t) for s, t in zip(sessions, tools, strict=True))
         )

@@ -57,15 +57,20 @@ class ChatCall:
         return parse_messages(forwarded[1:] if self.system else forwarded)
 
 
+def checked_session(value: Any, field: str) -> str | None:
+    """A session id as sent (None when absent); the same check wherever it came from (header or body)."""
+    if value is None or value == "":
+        return None
+    if not isinstance(value, str) or len(value) > 256 or any(ord(c) < 32 for c in value):
+        raise InvalidInput(field, "a session id is a string of at most 256 printable characters")
+    return value
+
+
 def session_of(header: str | None, own: Any, own_field: str) -> tuple[str | None, str]:
     """The session id and its field: the x-session-id header first, then the format's own field."""
     if header:
-        return header, SESSION_HEADER
-    if own is None or own == "":
-        return None, own_field
-    if not isinstance(own, str) or len(own) > 256 or any(ord(c) < 32 for c in own):
-        raise InvalidInput(own_field, "a session id is a string of at most 256 printable characters")
-    return own, own_field
+        return checked_session(header, SESSION_HEADER), SESSION_HEADER
+    return checked_session(own, own_field), own_field
 
 
 def outcome_json(outcome: TurnCompaction | None) -> dict[str, Any] | None:

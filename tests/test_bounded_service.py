@@ -60,7 +60,7 @@ async def test_a_maximal_request_leaves_healthz_and_small_compactions_answering(
     small = {"model": SERVED_MODEL, "strategy": "sequential", "max_chunk_summary_tokens": 6, "reuse_chunks": False}
     health: list[float] = []
     compactions: list[tuple[int, float]] = []
-    async with httpx.AsyncClient(base_url=client.base_url, timeout=120) as http:
+    async with httpx.AsyncClient(base_url=client.base_url, headers=client.headers, timeout=120) as http:
         began = time.perf_counter()
         running = asyncio.create_task(http.post("/v1/compact", json=big))
         await asyncio.sleep(1.0)

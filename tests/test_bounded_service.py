@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from compaction.tokenizer import HFChatTokenizer
-from jobs.data.conversations import LOCOMO_PATH, load_conversation, truncate_history
+from jobs.data.conversations import locomo_messages, truncate_history
 from tests.support import SERVED_MODEL, SERVICE_MAX_BYTES
 
 pytestmark = [pytest.mark.ray, pytest.mark.engine]
@@ -21,9 +21,9 @@ pytestmark = [pytest.mark.ray, pytest.mark.engine]
 MAX_CHUNKS, MAX_HISTORY_TOKENS = 128, 16 * 8192
 
 
-def history(tokenizer: HFChatTokenizer, tokens: int) -> list[dict[str, Any]]:
+def history(tokenizer: HFChatTokenizer, tokens: int, locomo: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """LoCoMo turns repeated to about `tokens` tokens (whole turns)."""
-    turns = load_conversation(LOCOMO_PATH)
+    turns: list[dict[str, Any]] = list(locomo_messages(locomo[0]))
     messages: list[dict[str, Any]] = []
     while len(messages) * 60 < tokens * 1.2:
         messages += turns
@@ -31,16 +31,16 @@ def history(tokenizer: HFChatTokenizer, tokens: int) -> list[dict[str, Any]]:
 
 
 def test_requests_over_the_caps_get_a_422_saying_what_to_change(
-    client: httpx.Client, tokenizer: HFChatTokenizer
+    client: httpx.Client, tokenizer: HFChatTokenizer, locomo: list[dict[str, Any]]
 ) -> None:
-    messages = history(tokenizer, 24_000)
+    messages = history(tokenizer, 24_000, locomo)
     many = client.post("/v1/compact", json={"model": SERVED_MODEL, "messages": messages, "chunk_tokens": 128})
     assert many.status_code == 422, many.text
     error = many.json()["error"]
     assert error["param"] == "chunk_tokens" and f"max_chunks of {MAX_CHUNKS}" in error["message"]
     least = int(error["message"].rsplit(">= ", 1)[1].split()[0])
     assert 129 <= least <= 256, error["message"]  # the span over max_chunks, rounded up
-    huge = history(tokenizer, MAX_HISTORY_TOKENS + 4000)
+    huge = history(tokenizer, MAX_HISTORY_TOKENS + 4000, locomo)
     assert len(json.dumps(huge)) < SERVICE_MAX_BYTES
     over = client.post("/v1/compact", json={"model": SERVED_MODEL, "messages": huge, "chunk_tokens": 4096})
     assert over.status_code == 422, over.text
@@ -48,11 +48,11 @@ def test_requests_over_the_caps_get_a_422_saying_what_to_change(
 
 
 async def test_a_maximal_request_leaves_healthz_and_small_compactions_answering(
-    client: httpx.Client, tokenizer: HFChatTokenizer
+    client: httpx.Client, tokenizer: HFChatTokenizer, locomo: list[dict[str, Any]]
 ) -> None:
     """The largest history at the smallest chunk the caps allow, run in the background priority with a deadline:
     meanwhile /healthz and small compactions answer within seconds (planning is off the coordinator's loop)."""
-    messages = history(tokenizer, MAX_HISTORY_TOKENS - 2000)
+    messages = history(tokenizer, MAX_HISTORY_TOKENS - 2000, locomo)
     big = {
         "model": SERVED_MODEL, "messages": messages, "chunk_tokens": -(-MAX_HISTORY_TOKENS // MAX_CHUNKS),
         "max_chunk_summary_tokens": 16, "reuse_chunks": False, "timeout_s": 40, "priority": "background",

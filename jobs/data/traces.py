@@ -18,6 +18,7 @@ import argparse
 import json
 import random
 import sys
+from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
@@ -66,7 +67,7 @@ class CodingTrace:
     seed: int
 
 
-class Session:
+class Session(ABC):
     """Builds one session's messages; tool call ids and every choice come from one seeded generator."""
 
     def __init__(self, rng: random.Random) -> None:
@@ -90,9 +91,9 @@ class Session:
             self.messages.append({"role": "tool", "tool_call_id": i, "content": result})
         return at
 
+    @abstractmethod
     def filler(self) -> None:
         """One step that states no planted fact (each generator's own)."""
-        raise NotImplementedError
 
 
 class _CodingSession(Session):

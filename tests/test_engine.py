@@ -11,6 +11,7 @@ from compaction.compactor import Compactor, is_summary
 from compaction.tokenizer import HFChatTokenizer
 from jobs.bench_compaction import prime_agent_cache
 from jobs.data.conversations import locomo_messages, truncate_history
+from tests.fakes import PLAIN
 
 pytestmark = pytest.mark.engine
 
@@ -66,8 +67,8 @@ async def test_warm_agent_cache_leaves_little_to_prefill(compactor: Compactor, h
     await compactor.backend.reset_prefix_cache()  # type: ignore[attr-defined]
     await prime_agent_cache(compactor, history)  # the agent's next-turn prompt fills the cache
     warm = (await compactor.compact(history, {"chunk_tokens": CHUNK, "max_chunk_summary_tokens": 32, **options})).stats
-    # what is left is the prompts' own tails (instructions), about a fifth of a 512-token chunk each
-    assert warm.computed_prefill_tokens < 0.3 * warm.input_tokens
+    # what is left is the prompts' own tails (instructions chosen by content), about a quarter of a 512-token chunk
+    assert warm.computed_prefill_tokens < 0.35 * warm.input_tokens
     assert warm.computed_prefill_tokens < 0.35 * cold_stats.computed_prefill_tokens
 
 
@@ -80,7 +81,9 @@ async def test_a_grown_history_summarises_only_its_new_material(
     old = truncate_history(conversation, tokenizer, 1024)
     grown = truncate_history(conversation, tokenizer, 1536)  # about one 512-token chunk more
     new = grown[len(old) :]
-    options = {"chunk_tokens": 512, "max_chunk_summary_tokens": 32, "retry_bad_summaries": False}
+    # Pinned lines and the user's words are chosen afresh over each compaction's whole span (by design): off here,
+    # so the summary is the chunk summaries alone and the old chunks' part must come back unchanged.
+    options = {"chunk_tokens": 512, "max_chunk_summary_tokens": 32, "retry_bad_summaries": False, **PLAIN}
     compactor = Compactor(
         tokenizer, engine, context_window=engine.max_model_len, block_size=engine.block_size, cache=ChunkCache()
     )

@@ -121,7 +121,8 @@ def test_the_chunk_cache_reuses_only_a_tenants_own_summaries(client: httpx.Clien
     body |= {"keep_recent_tokens": 0, "session_id": f"cache-{uuid.uuid4().hex[:8]}"}  # one coordinator, its cache
     first = client.post("/v1/compact", json=body, headers=A).json()["stats"]
     again = client.post("/v1/compact", json=body, headers=A).json()["stats"]
-    assert first["reused_chunks"] == 0 and again["reused_chunks"] == again["chunks"] >= 2
+    # A reuses its own summaries (a chunk whose summary failed its checks is not cached, so not every chunk)
+    assert first["reused_chunks"] == 0 and again["chunks"] >= 2 and again["reused_chunks"] >= 1
     guess = client.post("/v1/compact", json=body, headers=B).json()["stats"]
     assert guess["reused_chunks"] == 0 and guess["chunks"] == first["chunks"]
 

@@ -195,6 +195,10 @@ class SessionCompactions:
         while len(wires) > self.max_sessions:
             wires.popitem(last=False)
 
+    def running(self) -> int:
+        """How many background runs are still compacting or prefilling."""
+        return sum(not r.warmed.done() for runs in self._runs.values() for r in runs.values())
+
     def bytes(self) -> int:
         """What the kept background runs hold, about (see `_Running.bytes`)."""
         return sum(r.bytes for runs in self._runs.values() for r in runs.values())

@@ -44,6 +44,7 @@ class FakeReplicas:
         self.dead = set(dead)
         self.gate = gate
         self.served: list[str] = []
+        self.parked = 0  # requests that reached a replica and wait on the gate
         self._robin = itertools.count()
 
     def walk(self, session: str) -> list[str]:
@@ -57,6 +58,7 @@ class FakeReplicas:
             walk = self.walk(key.session)
         name = order_replicas(walk, key)[0]
         if self.gate is not None:
+            self.parked += 1
             await self.gate.wait()
         if name in self.dead:
             raise BackendError(f"replica {name} died")

@@ -33,14 +33,27 @@ class Counting:
     def __init__(self, tokenizer: HFChatTokenizer, replicas: FakeReplicas) -> None:
         self.coordinator = coordinator(tokenizer, replicas)
         self.calls: list[CompactJob] = []
+        self.finished = 0
         self.fail = 0
 
     async def __call__(self, job: CompactJob, urgent: asyncio.Event | None = None) -> ServiceResult:
         self.calls.append(job)
-        if self.fail:
-            self.fail -= 1
-            raise BackendError("replica died")
-        return await self.coordinator.compact(job, urgent)
+        try:
+            if self.fail:
+                self.fail -= 1
+                raise BackendError("replica died")
+            return await self.coordinator.compact(job, urgent)
+        finally:
+            self.finished += 1
+
+
+async def until(condition: Any, timeout_s: float = 10.0) -> None:
+    """Waits for what a background run does off the caller's path (planning runs in a worker thread)."""
+    for _ in range(int(timeout_s / 0.01)):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("the background run never got there")
 
 
 ENTRY = {"type": "compaction", "compact_threshold": 1200, "chunk_tokens": 256, "max_chunk_summary_tokens": 16}
@@ -106,7 +119,7 @@ async def test_background_snapshot_is_applied_later_with_nothing_lost_or_summari
     assert 700 < first.prompt_tokens <= 1200
     outcomes = await asyncio.gather(sessions.turn(first, tokenizer), sessions.turn(first, tokenizer))
     assert [o.status for o in outcomes] == ["running", "running"] and len(compact.calls) == 1  # one snapshot, once
-    await asyncio.sleep(0.05)  # the background compaction finishes while the agent works
+    await until(lambda: compact.finished == 1 and not sessions.running())  # it finishes while the agent works
     grown = [*snapshot, *conversation(16, 30)]
     late = await sessions.turn(turn(tokenizer, grown, background_threshold=700), tokenizer)
     assert late.status == "applied" and late.source == "background" and len(compact.calls) == 1
@@ -116,7 +129,7 @@ async def test_background_snapshot_is_applied_later_with_nothing_lost_or_summari
     assert [m.content for m in kept[-28:]] == [m["content"] for m in grown[-28:]]  # ...nothing lost
     assert sum(is_summary(m) for m in kept) == 1  # one summary, of the snapshot only
     assert late.compacted_prompt_tokens is not None and late.compacted_prompt_tokens > 700
-    await asyncio.sleep(0.05)  # the prompt answered is past the soft threshold again: it is the next snapshot
+    await until(lambda: len(compact.calls) == 2)  # past the soft threshold again: the next snapshot starts
     assert len(sessions) == 1 and len(compact.calls) == 2 and compact.calls[1].messages == kept
 
 
@@ -196,7 +209,7 @@ async def test_a_turn_longer_than_the_gap_between_thresholds_does_not_skip_the_b
     assert (await sessions.turn(below, tokenizer)).status == "none"  # growth unknown: nothing to foresee
     growing = below.model_copy(update={"growth": 1200 - below.prompt_tokens + 1})  # one more turn passes 1200
     assert (await sessions.turn(growing, tokenizer)).status == "running" and len(sessions) == 1
-    await asyncio.sleep(0.05)
+    await until(lambda: compact.finished == 1 and not sessions.running())
     over = await sessions.turn(turn(tokenizer, [*snapshot, *conversation(16, 30)], **entry), tokenizer)
     assert over.status == "applied" and over.source == "background" and compact.calls[0].messages == below.messages
 
@@ -215,7 +228,7 @@ async def test_a_blocking_compaction_starts_the_next_snapshot_when_the_next_turn
     outcome = await SessionCompactions(compact).turn(grows, tokenizer)
     assert outcome.status == "applied" and outcome.messages is not None
     assert len(compact.calls) == 2
-    await asyncio.sleep(0.05)
+    await until(lambda: len(compact.calls) == 3)
     assert len(compact.calls) == 3 and compact.calls[2].messages == prompt_after(outcome, messages)
 
 
@@ -232,7 +245,7 @@ async def test_a_finished_background_run_is_applied_at_the_next_turn_from_a_pref
     sessions = SessionCompactions(compact, warm=warm)
     snapshot = [SYSTEM, *conversation(0, 16)]
     assert (await sessions.turn(turn(tokenizer, snapshot, background_threshold=700), tokenizer)).status == "running"
-    await asyncio.sleep(0.3)  # the background run finishes (its merge pins lines, keeps user words)
+    await until(lambda: compact.finished == 1 and not sessions.running())  # the background run finishes
     assert compact.calls[0].priority == "background"
     grown = [*snapshot, *conversation(16, 17)]  # one more exchange: still under compact_threshold
     request = turn(tokenizer, grown, background_threshold=700)
@@ -250,7 +263,7 @@ async def test_a_background_run_is_used_only_by_a_turn_with_its_options(tokenize
     sessions = SessionCompactions(compact)
     snapshot = [SYSTEM, *conversation(0, 16)]
     await sessions.turn(turn(tokenizer, snapshot, background_threshold=700), tokenizer)
-    await asyncio.sleep(0.05)
+    await until(lambda: compact.finished == 1 and not sessions.running())
     grown = [*snapshot, *conversation(16, 30)]
     other = await sessions.turn(turn(tokenizer, grown, background_threshold=700, variant="detailed"), tokenizer)
     assert other.status == "applied" and other.source == "blocking" and len(compact.calls) >= 2
@@ -266,7 +279,12 @@ async def test_a_turn_that_needs_a_running_background_run_raises_it_to_the_agent
     sessions = SessionCompactions(compact)
     snapshot = [SYSTEM, *conversation(0, 16)]
     await sessions.turn(turn(tokenizer, snapshot, background_threshold=700), tokenizer)
-    await asyncio.sleep(0.02)  # its chunk prompts are parked on the replicas at background priority
+    for _ in range(500):  # planning runs in a worker thread: wait until its chunk prompts reach the replicas
+        if replicas.parked:
+            break
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.02)  # the rest of them park within a few loop turns (no threads left in the way)
+    assert replicas.parked
     over = asyncio.create_task(
         sessions.turn(turn(tokenizer, [*snapshot, *conversation(16, 30)], background_threshold=700), tokenizer)
     )

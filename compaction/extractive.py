@@ -3,14 +3,21 @@
 `strategy: extractive` summarises every chunk this way (milliseconds), and it replaces a model
 summary that stays ungrounded after its retry. A line scores for what an agent needs later:
 the user's instructions and constraints, errors and stack-trace heads, file paths, decisions,
-numbers and the first line of each tool result. The best lines that fit the token budget are
-kept word for word, each labelled with its speaker, in their original order; nothing is
-invented, so such a summary is grounded by construction.
+numbers, the first line of each tool result and the tool calls whose result reports a failure
+(the command that reproduces it). A line that names nothing (no path, number, name or identifier)
+gets no bonus for sounding like a constraint or a decision ("I'll do my best"), unless it is an
+instruction in the imperative ("Never edit ..."), and a line of a
+shape that repeats (listings, "saved plots/p_12.png", "count 41.5") weighs less the more copies
+the chunk holds: routine output, not a fact. The best lines that fit the token budget are kept
+word for word, each labelled with its speaker, in their original order; nothing is invented, so
+such a summary is grounded by construction.
 """
 
 from __future__ import annotations
 
+import math
 import re
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -24,6 +31,8 @@ _CONSTRAINT = re.compile(
     r"avoid|without|keep|no longer)\b",
     re.IGNORECASE,
 )
+# An instruction in the imperative ("Never edit ...", "Please count only ...") weighs even if it names nothing.
+_IMPERATIVE = re.compile(r"^\W*(please|never|always|only|do not|don't|avoid|make sure|keep|use|must)\b", re.IGNORECASE)
 # Test and runtime failures, not code that merely names an exception (`raise ValueError(...)`).
 _ERROR = re.compile(
     r"^(FAILED|ERROR|E {2,}|Traceback)|\b\w*(Error|Exception)\b:|\berror:|"
@@ -32,16 +41,19 @@ _ERROR = re.compile(
 )
 _DECISION = re.compile(
     r"\b(decided?|decision|will|i'll|we'll|let's|plan|chose|choose|going to|found it|root cause|because|instead|"
-    r"the fix|fix(?:ed)? by|switch(?:ed)? to)\b",
+    r"the fix|fix(?:ed)? by|switch(?:ed)? to|conclu\w*|comes from|caused by|turns out)\b",
     re.IGNORECASE,
 )
 _TOOL_CALL = re.compile(r"^\[tool call\b")
 CALL_TAG = re.compile(r"^\[tool (call|result)[^\]]*\]")
+_CALL_ID = re.compile(r"^\[tool (?:call|result) ([^\]]+)\]", re.MULTILINE)
+_DIGITS = re.compile(r"\d+")
 _SENTENCE = re.compile(r"(?<=[.!?])\s+(?=[A-Z\[\"'(`])")
 _HAS_WORD = re.compile(r"\w")
 _CUT_WORD_START = re.compile(r"^\S+")
 _CUT_WORD_END = re.compile(r"\S+$")
 _FILE = re.compile(r"\w\.[a-z]{1,5}$")
+COMMON_LINES, COMMON_SHARE = 8, 0.05  # a salient token in this many lines, and this share of them, is common
 
 
 @dataclass(frozen=True)
@@ -88,27 +100,58 @@ def segments(history: RenderedHistory, tokenizer: ChatTokenizer, start: int, end
     return out
 
 
-def _score(segment: Segment, text: str, first_line: bool) -> float:
-    """Salience of one line: who says it, what kind of line it is, what it names."""
-    salient = salient_tokens(text)
+def _score(segment: Segment, text: str, first_line: bool, failed: frozenset[str], common: frozenset[str]) -> float:
+    """Salience of one line: who says it, what kind of line it is, what it names.
+
+    `failed`: ids of the tool calls whose result reports a failure; `common`: salient tokens too
+    frequent to name anything in particular.
+    """
+    salient = [t for t in salient_tokens(text) if t not in common]
     if not salient and len(text.split()) < 3:
         return 0.0  # "ok", "thanks": nothing to keep
     tool = segment.role == "tool"
     call = _TOOL_CALL.match(text) is not None
+    names = 1.0 if salient else 0.0  # a constraint or a decision that names nothing weighs little
     score = min(1.0 if tool else 2.0, 0.5 * len(salient))
     if segment.role == "user":
-        score += 2.0 + (4.0 if _CONSTRAINT.search(text) else 0.0)
+        instruction = _CONSTRAINT.search(text) and (salient or _IMPERATIVE.match(text))
+        score += 2.0 + (5.0 if instruction else 0.0)
     elif segment.role == "assistant" and not call:
-        score += 3.0 + (3.0 if _DECISION.search(text) else 0.0)
+        score += 3.0 + (4.0 * names if _DECISION.search(text) else 0.0)
     if _ERROR.search(text):
-        score += 4.0
+        score += 4.0 if salient or tool else 1.0
     if any("/" in t or _FILE.search(t) for t in salient):
         score += 2.0
     if any(t[0].isdigit() for t in salient):
         score += 1.0
     if tool and first_line:
-        score += 3.0
-    return score + (1.0 if call else 0.0)
+        score += 2.0
+    if call:
+        score += 1.0 + (4.0 if _failure(text, failed) else 0.0)
+    return score
+
+
+def _shape(text: str) -> str:
+    """A line with its numbers and salient tokens blanked: lines of one shape are copies of one routine."""
+    out = _DIGITS.sub("#", CALL_TAG.sub("", text).lower())
+    for token in salient_tokens(text):
+        out = out.replace(_DIGITS.sub("#", token), "")
+    return " ".join(out.split())
+
+
+def _failure(text: str, failed: frozenset[str]) -> bool:
+    """The line reports a failure, or is a tool call whose result does."""
+    tag = _CALL_ID.match(text)
+    return _ERROR.search(text) is not None or (tag is not None and tag.group(1) in failed)
+
+
+def _failed_calls(parts: Sequence[Segment]) -> frozenset[str]:
+    """Ids of the tool calls whose result (in these segments) reports a failure."""
+    out = set()
+    for segment in parts:
+        if segment.role == "tool" and _ERROR.search(segment.text):
+            out.update(_CALL_ID.findall(segment.text[:200]))
+    return frozenset(out)
 
 
 def _cut(text: str) -> str:
@@ -126,10 +169,10 @@ def _units(text: str) -> list[str]:
     return out
 
 
-def candidate_lines(parts: Sequence[Segment]) -> list[Line]:
-    """Every distinct non-trivial line of the segments, scored (a repeated line counts once, call ids aside)."""
+def _texts(parts: Sequence[Segment]) -> list[tuple[Segment, str, bool]]:
+    """(segment, line, opens its message) for every distinct non-trivial line (call ids aside), cut to length."""
     seen: set[str] = set()
-    lines: list[Line] = []
+    out: list[tuple[Segment, str, bool]] = []
     for segment in parts:
         first = segment.opens_message
         for text in _units(segment.text):
@@ -137,9 +180,42 @@ def candidate_lines(parts: Sequence[Segment]) -> list[Line]:
             if not _HAS_WORD.search(text) or key in seen:
                 continue
             seen.add(key)
-            text = _cut(text)
-            lines.append(Line(len(lines), segment.role, text, _score(segment, text, first)))
+            out.append((segment, _cut(text), first))
             first = False
+    return out
+
+
+@dataclass(frozen=True)
+class Weights:
+    """What a span's lines weigh against each other (`weights`)."""
+
+    common: frozenset[str]  # salient tokens too frequent to name anything in particular
+    shapes: Counter[str]  # lines per shape
+    failed: frozenset[str]  # ids of the tool calls whose result reports a failure
+
+
+def weights(parts: Sequence[Segment]) -> Weights:
+    """Counted over a span: a salient token that many lines name (the two speakers' names, the project's
+    name) names nothing in particular, and a line of a shape many lines share is routine."""
+    texts = _texts(parts)
+    named = Counter(t for _, text, _ in texts for t in salient_tokens(text))
+    common = frozenset(t for t, n in named.items() if n >= max(COMMON_LINES, COMMON_SHARE * len(texts)))
+    return Weights(common, Counter(_shape(text) for _, text, _ in texts), _failed_calls(parts))
+
+
+def candidate_lines(parts: Sequence[Segment], weighed: Weights | None = None) -> list[Line]:
+    """Every distinct non-trivial line of the segments, scored (a repeated line counts once, call ids aside).
+
+    `weighed`: the span's weights (default: the segments' own). A line whose shape n lines share loses
+    log2(n) of its score, at most 3, unless it reports a failure.
+    """
+    texts = _texts(parts)
+    w = weighed or weights(parts)
+    lines: list[Line] = []
+    for segment, text, first in texts:
+        score = _score(segment, text, first, w.failed, w.common)
+        routine = 0.0 if _failure(text, w.failed) else min(3.0, math.log2(max(1, w.shapes[_shape(text)])))
+        lines.append(Line(len(lines), segment.role, text, max(0.0, score - routine)))
     return lines
 
 

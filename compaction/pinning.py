@@ -18,7 +18,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from compaction.extractive import CALL_TAG, Line, Segment, candidate_lines
+from compaction.extractive import CALL_TAG, Line, Segment, candidate_lines, weights
 from compaction.grounding import Source, salient_tokens
 from compaction.history import ChatTokenizer
 from compaction.options import CompactionOptions
@@ -54,14 +54,24 @@ class Pinned:
     dropped_sentences: int
 
 
+_WORD = re.compile(r"[a-z0-9_][\w./:-]*")
+NEW_WORDS = 0.25  # a line adds a fact when over a quarter of its words are not stated yet
+
+
 def _key(text: str) -> str:
     return " ".join(text.lower().split())
 
 
-def _stated(line: Line, stated: Source, said: str) -> bool:
-    """The summaries or the user words already state this line: all its salient tokens, or the line itself."""
-    tokens = salient_tokens(line.text)
-    return (bool(tokens) and all(stated.contains(t) for t in tokens)) or _key(line.text) in said
+def _words(text: str) -> set[str]:
+    return {w.strip(".:-/") for w in _WORD.findall(text.lower()) if len(w) > 2}
+
+
+def _repeats(line: Line, stated: Source, words: set[str]) -> bool:
+    """Everything the line names is stated already (its salient tokens, and all but a quarter of its words)."""
+    mine = _words(line.text)
+    if any(not stated.contains(t) for t in salient_tokens(line.text)):
+        return False
+    return not mine or len(mine - words) <= NEW_WORDS * len(mine)
 
 
 def _dedupe(summary: str, pinned: Source) -> tuple[str, int]:
@@ -80,12 +90,15 @@ def _candidates(chunks: Sequence[ChunkText], stated: Source, said: str) -> list[
     """(chunk, line) for every distinct line of the open chunks not stated yet, call tags removed."""
     seen: set[str] = set()
     out: list[tuple[int, Line]] = []
+    span = weights([part for chunk in chunks if chunk.open for part in chunk.parts])
+    words = _words(said)
     for k, chunk in enumerate(chunks):
         if not chunk.open:
             continue
-        for line in candidate_lines(chunk.parts):
+        for line in candidate_lines(chunk.parts, span):
             line = replace(line, text=CALL_TAG.sub("", line.text).strip())
-            if line.score > 0 and _key(line.text) not in seen and not _stated(line, stated, said):
+            stated_already = _key(line.text) in said or _repeats(line, stated, words)
+            if line.score > 0 and _key(line.text) not in seen and not stated_already:
                 seen.add(_key(line.text))
                 out.append((k, line))
     return out
@@ -107,15 +120,14 @@ def pin(chunks: Sequence[ChunkText], tokenizer: ChatTokenizer, budget: int, else
     ranked = sorted(_candidates(chunks, Source(*texts, elsewhere), said), key=lambda kl: (-kl[1].score, kl[0]))
     kept: list[tuple[int, Line]] = []
     used = 0
-    covered = Source()
+    covered, words = Source(), set[str]()
     for k, line in ranked[:MAX_CANDIDATES]:
-        tokens = salient_tokens(line.text)
-        if tokens and all(covered.contains(t) for t in tokens):
-            continue  # what it names, a line kept already names
+        if _repeats(line, covered, words):
+            continue  # what it says, a line kept already says
         cost = len(tokenizer.encode(f"{line.label}: {line.text}")) + 1  # + its line break
         if used + cost <= room:
             kept.append((k, line))
-            covered = Source(covered.text, line.text)
+            covered, words = Source(covered.text, line.text), words | _words(line.text)
             used += cost
     out = []
     for k, chunk in enumerate(chunks):

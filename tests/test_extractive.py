@@ -6,7 +6,7 @@ import json
 from typing import Any
 
 from compaction.compactor import Compactor
-from compaction.extractive import extract, segments
+from compaction.extractive import CALL_TAG, candidate_lines, extract, segments
 from compaction.history import parse_messages, render_history
 from compaction.tokenizer import HFChatTokenizer
 from tests.fakes import FakeBackend
@@ -65,6 +65,60 @@ def test_a_smaller_budget_keeps_the_best_lines(tokenizer: HFChatTokenizer) -> No
         "user: Please fix the date parser.",
         "assistant: The root cause is an off-by-one month in src/dates.py, so I will fix it.",
     ]
+
+
+def _scores(tokenizer: HFChatTokenizer, messages: list[dict[str, Any]]) -> dict[str, float]:
+    history = rendered(tokenizer, messages)
+    lines = candidate_lines(segments(history, tokenizer, 0, len(history.token_ids)))
+    return {CALL_TAG.sub("", line.text).strip(): line.score for line in lines}
+
+
+def _call(i: int, command: str) -> dict[str, Any]:
+    function = {"name": "run_command", "arguments": json.dumps({"command": command})}
+    return {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [{"id": f"c{i}", "type": "function", "function": function}],
+    }
+
+
+def test_a_call_whose_result_fails_outweighs_one_whose_result_passes(tokenizer: HFChatTokenizer) -> None:
+    messages = [
+        _call(1, "pytest tests/test_a.py -q"),
+        {"role": "tool", "tool_call_id": "c1", "content": "3 passed in 0.2s"},
+        _call(2, "pytest tests/test_b.py -k caps"),
+        {"role": "tool", "tool_call_id": "c2", "content": "FAILED tests/test_b.py::test_caps - AssertionError"},
+    ]
+    scores = _scores(tokenizer, messages)
+    failing = scores['run_command({"command": "pytest tests/test_b.py -k caps"})']
+    assert failing >= scores['run_command({"command": "pytest tests/test_a.py -q"})'] + 4
+
+
+def test_vague_lines_routine_lines_and_everyones_names_weigh_little(tokenizer: HFChatTokenizer) -> None:
+    filler = ["Sure thing.", "Sounds lovely.", "Oh, really?", "Tell me more.", "That is so kind.", "Wow, nice.",
+              "Good luck then.", "Talk soon."]  # fmt: skip
+    texts = [
+        "I'll do my best to make sure it works out.",
+        filler[0],
+        "I moved here from Sweden 4 years ago.",
+        *filler[1:],
+    ]
+    chat = [
+        {"role": "user" if i % 2 else "assistant", "content": f"Caroline: Melanie, {text}"}
+        for i, text in enumerate(texts)
+    ]
+    scores = _scores(tokenizer, chat)
+    assert (
+        scores["Caroline: Melanie, I moved here from Sweden 4 years ago."]
+        > scores["Caroline: Melanie, I'll do my best to make sure it works out."]
+    )  # a fact outranks a promise that names nothing; the two names are on every line
+    listing = [
+        _call(1, "ls"),
+        {"role": "tool", "tool_call_id": "c1", "content": "\n".join(f"saved plots/p_{i}.png" for i in range(16))},
+        {"role": "user", "content": "Never edit the migrations folder."},
+    ]
+    scores = _scores(tokenizer, listing)
+    assert scores["saved plots/p_3.png"] < scores["Never edit the migrations folder."] - 3  # routine vs an order
 
 
 def test_a_border_inside_a_message_decodes_only_its_part(tokenizer: HFChatTokenizer) -> None:

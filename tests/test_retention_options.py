@@ -94,6 +94,22 @@ def test_pinned_lines_fill_what_the_summaries_leave_and_state_nothing_twice(toke
     assert closed[0].text == "x" and closed[0].lines == 0  # nothing is pinned beside a fallback text
 
 
+def test_a_line_naming_what_another_names_is_still_pinned_when_it_says_something_new(
+    tokenizer: HFChatTokenizer,
+) -> None:
+    messages = [
+        {"role": "user", "content": "Why does test_backoff fail?"},
+        {"role": "assistant", "content": "Found it: backoff_delay multiplies before clamping, so the cap is exceeded."},
+        {"role": "assistant", "content": "The plan: clamp the exponent before multiplying in backoff_delay."},
+        {"role": "assistant", "content": "Again: backoff_delay multiplies before clamping, so the cap is exceeded!"},
+    ]  # fmt: skip
+    history = _rendered(tokenizer, messages)
+    parts = segments(history, tokenizer, 0, len(history.token_ids))
+    (pinned,) = pin([ChunkText("", parts, len(history.token_ids), True)], tokenizer, 80)
+    assert "clamp the exponent before multiplying in backoff_delay" in pinned.text  # same name, another fact
+    assert pinned.text.count("multiplies before clamping") == 1  # the same fact twice: once
+
+
 async def test_a_compaction_keeps_the_users_words_and_pins_lines_and_names_the_content(
     tokenizer: HFChatTokenizer,
 ) -> None:

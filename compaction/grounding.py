@@ -100,6 +100,8 @@ def salient_tokens(text: str) -> tuple[str, ...]:
 def _pattern(token: str) -> re.Pattern[str]:
     head = rf"(?<![{_WORD}])" if token[0].isalnum() or token[0] == "_" else ""
     tail = rf"(?![{_WORD}])" if token[-1].isalnum() or token[-1] == "_" else ""
+    if token.isdigit():
+        tail = rf"(?:st|nd|rd|th)?{tail}"  # "18th" states 18 (salient_tokens reads ordinals as their number)
     return re.compile(head + re.escape(token) + tail)
 
 

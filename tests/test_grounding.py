@@ -52,6 +52,16 @@ def test_check_is_case_insensitive_with_word_boundaries() -> None:
     assert partial.score == 0.5
 
 
+def test_an_ordinal_in_the_source_grounds_its_number_and_no_other() -> None:
+    source = Source("A friend made it for my 18th birthday.")
+    assert source.check("It was for her 18th birthday.").ungrounded == ()  # a line copied word for word
+    assert source.check("She turned 18.").ungrounded == ()
+    assert source.check("It was her 18x model.").ungrounded == ("18x",)
+    assert source.check("She turned 1.").salient == () and Source("the 180th run").check("18 runs").ungrounded == (
+        "18",
+    )
+
+
 def test_a_text_stating_nothing_is_grounded() -> None:
     assert Source("anything").check("A short summary.").score == 1.0
 

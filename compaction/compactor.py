@@ -302,6 +302,7 @@ class Compactor:
             source,
             verbatim=lambda: self.tokenizer.decode(plan.history.token_ids[chunk.start : chunk.end]).strip(),
             extractive=lambda: self._extractive_text(plan, chunk),
+            instructions=self.tokenizer.decode(plan.prompts[k].tail),
         )
         return self._chunk_stats(plan, k, attempts, kept, time.perf_counter() - began), kept.text
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 import re
 from typing import Literal
 
+from compaction.grounding import salient_tokens
+
 Verdict = Literal["ok", "empty", "runaway"]
 
 
@@ -79,6 +81,24 @@ def collapse_repeats(text: str) -> str:
             keys.append(key)
             kept.append(piece.strip())
     return " ".join(kept)
+
+
+ECHO_SHARE = 0.8  # a sentence whose words are mostly the instructions' restates them
+
+
+def drop_instructions(text: str, instructions: str) -> tuple[str, int]:
+    """`text` without the sentences that restate the prompt's instructions ("This is a conversation: keep who
+    said what,"), and how many went. A sentence that names anything (a salient token) is content, kept."""
+    words = set(_key(instructions))
+    kept, dropped = [], 0
+    for piece in _PIECES.split(text):
+        key = _key(piece)
+        echo = len(key) >= 3 and sum(w in words for w in key) >= ECHO_SHARE * len(key)
+        if echo and not salient_tokens(piece):
+            dropped += 1
+        elif piece.strip():
+            kept.append(piece.strip())
+    return (" ".join(kept), dropped) if dropped else (text, 0)
 
 
 def drop_seen(text: str, seen: list[tuple[str, ...]]) -> str:

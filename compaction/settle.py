@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from compaction.backend import Generation
 from compaction.grounding import Grounding, Source, prune
 from compaction.options import CompactionOptions
-from compaction.quality import Verdict, collapse_repeats, judge
+from compaction.quality import Verdict, collapse_repeats, drop_instructions, judge
 from compaction.result import ChunkStatus
 
 
@@ -74,11 +74,17 @@ def settle(
     source: Source,
     verbatim: Callable[[], str],
     extractive: Callable[[], str],
+    instructions: str = "",
 ) -> Settled:
-    """The kept text of a chunk from its attempts. `verbatim` and `extractive` give the chunk's fallbacks."""
+    """The kept text of a chunk from its attempts. `verbatim` and `extractive` give the chunk's fallbacks;
+    sentences restating `instructions` (the prompt's tail) are dropped, and a summary that was nothing else
+    falls back to the extractive text."""
     threshold = options.grounding_threshold
     best = _best(attempts, threshold)
-    text = best.generation.text.strip()
+    text, echoed = drop_instructions(best.generation.text.strip(), instructions)
+    if echoed and not text:
+        fallback = extractive()
+        return Settled(fallback, "extractive_fallback", echoed, source.check(fallback))
     status: ChunkStatus = "ok" if len(attempts) == 1 else "retried"
     if options.fixed_output_tokens:
         pass  # matched-decode benchmarks keep what the model wrote; only the grounding check applies
@@ -87,7 +93,7 @@ def settle(
         return Settled(raw, "kept_verbatim", 0, source.check(raw))
     elif best.verdict == "runaway":
         text, status = collapse_repeats(text), "runaway_trimmed"
-    dropped = 0
+    dropped = echoed
     if threshold > 0:
         checked = source.check(text)
         if checked.score >= threshold and checked.ungrounded:

@@ -29,6 +29,7 @@ import httpx
 from compaction.errors import CompactionError
 from compaction.history import ChatTokenizer
 from compaction.options import VARIANTS
+from compaction.quality import repeated_sentences
 from jobs.agent.chat_loop import ChatEpisode, LoopSettings, run_episode
 from jobs.agent.tools import ToolTime
 from jobs.data.conversations import LOCOMO_PATH, load_conversation, truncate_history
@@ -148,7 +149,11 @@ def run(args: argparse.Namespace, quiet: bool) -> int:
     print(table(rows, list(rows[0])))
     for name in ("sequential", "parallel"):
         result = results[name]
-        print(f"\n{name}: {len(messages)} messages -> {len(result['messages'])}; summary begins:")
+        repeats = repeated_sentences(result["summary"])
+        print(
+            f"\n{name}: {len(messages)} messages -> {len(result['messages'])}; {repeats} repeated sentences; "
+            "summary begins:"
+        )
         print(first_lines(result["summary"]))
     agent = [agent_row(e) for e in episodes]
     print(

@@ -1,4 +1,4 @@
-from compaction.quality import collapse_repeats, judge, repetition_ratio
+from compaction.quality import collapse_repeats, drop_instructions, judge, repetition_ratio
 
 
 def test_loop_that_hits_the_limit_is_runaway() -> None:
@@ -21,3 +21,16 @@ def test_empty_and_blank() -> None:
 def test_collapse_keeps_first_occurrences_in_order() -> None:
     text = "A went home. B stayed. A went home. B stayed.\nA went home."
     assert collapse_repeats(text) == "A went home. B stayed."
+
+
+def test_sentences_restating_the_instructions_are_dropped_and_content_is_kept() -> None:
+    tail = (
+        "Summarise the conversation. Use at most 20 words. This part is a conversation: keep who said what, "
+        "names, dates, places, plans and decisions. Write only the summary."
+    )
+    text = (
+        "This is a conversation: keep who said what,\nCaroline moved from Sweden 4 years ago. Write only the summary."
+    )
+    assert drop_instructions(text, tail) == ("Caroline moved from Sweden 4 years ago.", 2)
+    for content in ("This is a conversation between Caroline and Melanie.", "They talked about plans and decisions."):
+        assert drop_instructions(content, tail) == (content, 0)

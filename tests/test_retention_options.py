@@ -18,7 +18,7 @@ from compaction.tokenizer import HFChatTokenizer
 from compaction.user_words import USER_WORDS_HEADER, keep
 from jobs.data.analysis_traces import analysis_trace
 from jobs.data.traces import coding_trace
-from tests.fakes import FakeBackend
+from tests.fakes import PLAIN, FakeBackend
 
 DEMO_LOOP = "I'm so glad you're doing great. I'm so glad you're doing great too. I'm so glad y"
 
@@ -131,6 +131,25 @@ async def test_a_compaction_keeps_the_users_words_and_pins_lines_and_names_the_c
     assert sum(c.summary_tokens for c in stats.per_chunk) <= stats.chunks * (64 + 2)  # the budgets, pooled
     caller = await compactor.compact(trace.messages, {"chunk_tokens": 1024, "chunk_instructions": {0: "Be brief."}})
     assert caller.stats.per_chunk[0].content == "caller"
+
+
+async def test_a_summary_that_restates_its_instructions_keeps_none_of_them(tokenizer: HFChatTokenizer) -> None:
+    def parrot(request: GenerationRequest) -> tuple[str, str]:
+        prompt = tokenizer.decode(list(request.prompt_token_ids))
+        said = "keep who said what," if "who said what" in prompt else "keep the commands run,"
+        facts = "They walked up to the castle and ate at the market." if "-0" in request.request_id else ""
+        return f"This part is a conversation: {said}\n{facts}", "stop"
+
+    chat = [{"role": "system", "content": "You are a travel agent."}]
+    for i in range(40):
+        chat.append({"role": "user", "content": f"Day {i}: how was the walk up to the castle with your sister?"})
+        chat.append({"role": "assistant", "content": f"Lovely on day {i}; we ate far too much at the market."})
+    compactor = Compactor(tokenizer, FakeBackend(script=parrot), context_window=8192)
+    result = await compactor.compact(chat, {"chunk_tokens": 256, "max_chunk_summary_tokens": 48, **PLAIN})
+    assert "who said what" not in result.summary and "keep the commands" not in result.summary
+    statuses = [c.status for c in result.stats.per_chunk]
+    assert "extractive_fallback" in statuses  # a summary that was nothing but the instructions
+    assert "ok" in statuses or "retried" in statuses  # the rest of a summary stays
 
 
 @pytest.mark.parametrize("seed", range(4))

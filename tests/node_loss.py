@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import json
 import os
 import subprocess
@@ -125,6 +126,16 @@ def sweep_cli(config: Path, address: str, *extra: str) -> subprocess.CompletedPr
     )
 
 
+def sweep_report(config: Path, flag: str) -> str:
+    """What `python jobs/sweep.py ... --check` (or `--dry-run`) prints, run in this process (neither joins Ray)."""
+    from jobs.sweep import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+        main(["--config", str(config), "--results", str(config.parent / "results"), flag])
+    return out.getvalue()
+
+
 def sweep_lines(log: str) -> list[str]:
     return [line for line in log.splitlines() if line.startswith("[sweep")][-12:]
 
@@ -194,13 +205,16 @@ def kill_and_measure(cluster: Any, workers: list[Any], url: str, work: Path, add
     config = work / "sweep.yaml"
     config.write_text(yaml.safe_dump({**SWEEP, "backend": {"kind": "service", "base_url": url}}))
     outcome: dict[str, Any] = {}
-    first: dict[str, subprocess.CompletedProcess[str]] = {}
+    first: dict[str, Any] = {}
     with httpx.Client(base_url=url, timeout=180) as client:
         warm = post(client, compact_body(history(HISTORY_TURNS, "warm"), "spread"))
         # The first run also stops after its first written cell, abandoning the others in flight (what a crash of
         # the driver does): the re-run must write exactly the rest.
+        began = time.monotonic()
         sweep = threading.Thread(
-            target=lambda: first.update(run=sweep_cli(config, address, *TASK_CPUS, "--stop-after", "1"))
+            target=lambda: first.update(
+                run=sweep_cli(config, address, *TASK_CPUS, "--stop-after", "1"), s=time.monotonic() - began
+            )
         )
         big = threading.Thread(
             target=lambda: outcome.update(post(client, compact_body(history(HISTORY_TURNS, "a"), "spread")))
@@ -216,8 +230,11 @@ def kill_and_measure(cluster: Any, workers: list[Any], url: str, work: Path, add
         big.join()
         after = post(client, compact_body(history(HISTORY_TURNS, "b"), "spread"))
         sweep.join()
+    began = time.monotonic()
     resumed = sweep_cli(config, address, *TASK_CPUS)
     return {
+        "sweep_first_s": round(first["s"], 1),
+        "sweep_resumed_s": round(time.monotonic() - began, 1),
         "warm": warm,
         "killed_node_held": held,
         "killed_mid_compaction": outcome.get("ended", 0) > killed_at > outcome.get("began", 0),
@@ -229,8 +246,8 @@ def kill_and_measure(cluster: Any, workers: list[Any], url: str, work: Path, add
         "sweep_first_log": sweep_lines(first["run"].stderr),
         "sweep_resumed_rc": resumed.returncode,
         "sweep_resumed_log": sweep_lines(resumed.stderr),
-        "sweep_integrity": sweep_cli(config, address, "--check").stdout.strip(),
-        "sweep_left_to_run": sweep_cli(config, address, "--dry-run").stdout.split(),
+        "sweep_integrity": sweep_report(config, "--check").strip(),
+        "sweep_left_to_run": sweep_report(config, "--dry-run").split(),
     }
 
 

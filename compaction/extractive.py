@@ -4,13 +4,14 @@
 summary that stays ungrounded after its retry. A line scores for what an agent needs later:
 the user's instructions and constraints, errors and stack-trace heads, file paths, decisions,
 numbers, the first line of each tool result and the tool calls whose result reports a failure
-(the command that reproduces it). A line that names nothing (no path, number, name or identifier)
-gets no bonus for sounding like a constraint or a decision ("I'll do my best"), unless it is an
-instruction in the imperative ("Never edit ..."), and a line of a
-shape that repeats (listings, "saved plots/p_12.png", "count 41.5") weighs less the more copies
-the chunk holds: routine output, not a fact. The best lines that fit the token budget are kept
-word for word, each labelled with its speaker, in their original order; nothing is invented, so
-such a summary is grounded by construction.
+(the command that reproduces it). A line that names nothing (no path, number, name or
+identifier) gets no bonus for sounding like a constraint or a decision ("I'll do my best"),
+unless it is an instruction in the imperative ("Never edit ..."); a name on most of the span's
+lines names nothing in particular; and a line of a shape that repeats (listings, "saved
+plots/p_12.png", "count 41.5") weighs less the more copies there are: routine output, not a
+fact. The best lines that fit the token budget are kept word for word, each labelled with its
+speaker, in their original order; nothing is invented, so such a summary is grounded by
+construction.
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ so chunk borders never re-tokenise and prompts share exact token prefixes.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
@@ -87,6 +88,32 @@ def parse_messages(raw: Sequence[Any], field: str = "messages") -> list[Message]
 
 def _tag(kind: str, ident: str | None) -> str:
     return f"[{kind} {ident}]" if ident else f"[{kind}]"
+
+
+def chat_view(message: Message) -> dict[str, Any]:
+    """The message as vLLM's chat endpoint hands it to the model's chat template: text content ("" when there is
+    none), tool calls with their arguments parsed (as chat templates expect them), the tool call id kept. A prompt
+    rendered from these views is token for token the one a chat completion of the same messages prefills."""
+    view: dict[str, Any] = {"role": message.role, "content": message.text()}
+    if message.tool_calls:
+        view["tool_calls"] = [
+            {
+                **call.model_dump(exclude_none=True),
+                "function": {"name": call.function.name, "arguments": _args(call)},
+            }
+            for call in message.tool_calls
+        ]
+    for key in ("name", "tool_call_id"):
+        if getattr(message, key, None):
+            view[key] = getattr(message, key)
+    return view
+
+
+def _args(call: Any) -> Any:
+    try:
+        return json.loads(call.function.arguments)
+    except (TypeError, ValueError):
+        return call.function.arguments
 
 
 def template_view(message: Message) -> dict[str, str]:

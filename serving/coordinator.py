@@ -44,7 +44,7 @@ from compaction.errors import (
     Overloaded,
     UnknownModel,
 )
-from compaction.history import Message, template_view
+from compaction.history import Message, chat_view
 from compaction.options import CompactionOptions
 from compaction.pacing import BACKGROUND, PRIORITIES, Escalation, Priority
 from compaction.result import CompactionResult, CompactionStats
@@ -286,7 +286,7 @@ class Coordinator:
         reads them from the prefix cache (a compacted prompt before it is first sent). Returns the tokens."""
         compactor = self.runtime(model).compactor
         tokenizer = compactor.tokenizer
-        ids = tuple(tokenizer.encode(tokenizer.render([template_view(m) for m in messages])))
+        ids = tuple(tokenizer.encode(tokenizer.render([chat_view(m) for m in messages])))  # as the turn renders it
         route = RouteKey(session_id).encode()
         request = GenerationRequest(
             ids, max_tokens=1, request_id="warm", routing_key=route, priority=BACKGROUND, cache_salt=cache_salt

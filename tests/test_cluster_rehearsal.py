@@ -99,29 +99,23 @@ def rehearsal_cluster() -> Iterator[str]:
     address = f"127.0.0.1:{GCS_PORT}"
     groups: list[int] = []
     try:
-        # The head first, then both worker nodes at once (each `ray start` takes seconds of CPU on this machine).
-        for wave in (("head",), ("gpu-h100x2-nvlink", "gpu-h100x1")):
-            started = []
-            for node_type in wave:
-                if node_type == "head":
-                    where = [f"--port={GCS_PORT}", "--head", "--include-dashboard=false", f"--temp-dir={temp_dir}"]
-                    where += ["--ray-client-server-port=18201", "--dashboard-port=18208"]
-                else:
-                    where = [f"--address={address}"]
-                log = open(Path(temp_dir) / f"{node_type}.log", "w")  # noqa: SIM115 - handed to the child
-                proc = subprocess.Popen(
-                    [RAY, "start", *where, *node_args(node_type, types[node_type]["resources"])],
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    env=env,
-                    start_new_session=True,
-                )
-                groups.append(proc.pid)
-                started.append((node_type, proc))
-            for node_type, proc in started:
-                if proc.wait(timeout=180) != 0:
-                    log_text = (Path(temp_dir) / f"{node_type}.log").read_text()
-                    pytest.fail(f"ray start for {node_type} failed: {log_text}")
+        for node_type in ("head", "gpu-h100x2-nvlink", "gpu-h100x1"):
+            if node_type == "head":
+                where = [f"--port={GCS_PORT}", "--head", "--include-dashboard=false", f"--temp-dir={temp_dir}"]
+                where += ["--ray-client-server-port=18201", "--dashboard-port=18208"]
+            else:
+                where = [f"--address={address}"]
+            log = open(Path(temp_dir) / f"{node_type}.log", "w")  # noqa: SIM115 - handed to the child
+            proc = subprocess.Popen(
+                [RAY, "start", *where, *node_args(node_type, types[node_type]["resources"])],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
+            groups.append(proc.pid)
+            if proc.wait(timeout=180) != 0:
+                pytest.fail(f"ray start for {node_type} failed: {(Path(temp_dir) / f'{node_type}.log').read_text()}")
         yield address
     finally:
         for pgid in reversed(groups):

@@ -4,7 +4,7 @@ from hypothesis import strategies as st
 
 from compaction.content import content_spans, encode_rendering
 from compaction.errors import InvalidInput
-from compaction.history import parse_messages, render_history, template_view
+from compaction.history import chat_view, parse_messages, render_history, template_view
 from compaction.tokenizer import HFChatTokenizer
 
 
@@ -39,6 +39,24 @@ def test_tool_traffic_has_an_explicit_rendering() -> None:
     result = parse_messages([{"role": "tool", "tool_call_id": "c1", "content": "a.txt"}])[0]
     assert template_view(call) == {"role": "assistant", "content": "[tool call c1] ls({})"}
     assert template_view(result) == {"role": "user", "content": "[tool result c1] a.txt"}
+
+
+def test_a_chat_view_renders_as_the_chat_endpoint_does(tokenizer: HFChatTokenizer) -> None:
+    """What a chat completion of the messages prefills: the model's template over the OpenAI messages, null
+    content as "", arguments parsed. A compacted prompt warmed this way is what the agent's next turn reads."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "read_file", "arguments": '{"path": "a.py"}'}}
+    raw = [
+        {"role": "system", "content": "You are a coding agent."},
+        {"role": "user", "content": "Fix a.py."},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "def f(): pass"},
+    ]
+    views = [chat_view(m) for m in parse_messages(raw)]
+    assert views[2]["content"] == "" and views[2]["tool_calls"][0]["function"]["arguments"] == {"path": "a.py"}
+    assert views[3]["tool_call_id"] == "call_1"
+    expected = tokenizer._tok.apply_chat_template([{**m, "content": m["content"] or ""} for m in raw], tokenize=False)
+    assert tokenizer.render(views) == expected
+    assert tokenizer.render(views) != tokenizer.render([template_view(m) for m in parse_messages(raw)])
 
 
 def test_text_parts_are_joined() -> None:

@@ -249,7 +249,7 @@ def test_the_openai_agents_sdks_compaction_session_compacts_through_the_service(
     from openai import AsyncOpenAI
 
     set_tracing_disabled(True)  # no trace export to api.openai.com
-    steps = [f"Step {i}: " + " ".join(f"module_{i}.py line {n} splits on commas." for n in range(30)) for i in range(3)]
+    steps = [f"Step {i}: " + " ".join(f"module_{i}.py line {n} splits on commas." for n in range(30)) for i in range(5)]
 
     async def run() -> tuple[list[Any], list[str]]:
         client = AsyncOpenAI(base_url=f"{service.url}/v1", api_key=SERVICE_KEY, max_retries=0)
@@ -272,4 +272,4 @@ def test_the_openai_agents_sdks_compaction_session_compacts_through_the_service(
     assert all(a.strip() for a in answers)
     kinds = [item.get("type") for item in items if isinstance(item, dict)]
     assert "compaction" in kinds, kinds  # the session's history now starts from our compaction item
-    assert len(items) < 2 * len(steps)  # shorter than the six items the three turns left
+    assert len(items) < 2 * len(steps)  # shorter than the ten items the five turns left

@@ -37,7 +37,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check . && $(BIN)/ruff format --check . && $(BIN)/mypy
 
 bench: model
-	$(BIN)/python -m jobs.bench_compaction --history-tokens 4096 --chunk-tokens 512 --json results/bench.json
+	$(BIN)/python -m jobs.bench.compaction --history-tokens 4096 --chunk-tokens 512 --json results/bench.json
 
 # The smoke sweep of every benchmark family (a few minutes on the CPU), then its report.
 sweep: model
@@ -46,7 +46,7 @@ sweep: model
 
 # The load benchmark: 1, 8, 32, 64 concurrent agent sessions against a local service; figures and a plot.
 load: model
-	$(BIN)/python jobs/load.py --fleet 1,32 --json results/load.json --plot results/load.png
+	$(BIN)/python -m jobs.bench.load --fleet 1,32 --json results/load.json --plot results/load.png
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -8,7 +8,7 @@ Four kinds, by the share of the chunk's tokens each kind of message covers:
 
 The choice depends only on the chunk's own messages, so a chunk's tail (and the chunk-summary
 cache's key) is the same in every compaction that cuts the same chunk. Instructions are our own
-text: they are not a source a summary may take facts from (`compaction.grounding`).
+text: they are not a source a summary may take facts from (`compaction.checks.grounding`).
 """
 
 from __future__ import annotations
@@ -17,9 +17,10 @@ import bisect
 import re
 from typing import Literal
 
-from compaction.history import RenderedHistory, template_view
+from compaction.history import template_view
 from compaction.options import CompactionOptions
 from compaction.partition import Chunk
+from compaction.render import RenderedHistory
 
 ContentKind = Literal["tool_output", "code", "requests", "dialogue"]
 Choice = ContentKind | Literal["caller"] | None  # what a tail asks for; caller: a chunk_instructions entry

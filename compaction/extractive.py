@@ -22,8 +22,10 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from compaction.grounding import salient_tokens
-from compaction.history import ChatTokenizer, RenderedHistory, template_view
+from compaction.checks.grounding import salient_tokens
+from compaction.history import template_view
+from compaction.render import RenderedHistory
+from compaction.tokenizer import ChatTokenizer
 
 MAX_LINE_CHARS = 300  # a longer line is cut at a word border (minified files, long logs)
 LONG_LINE_CHARS = 120  # a longer line of prose is taken sentence by sentence

@@ -25,11 +25,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from compaction.chunk_content import content_instructions
-from compaction.history import ChatTokenizer, RenderedHistory
 from compaction.instructions import caller_instructions, instruction_text, target_phrase
-from compaction.options import CompactionOptions, Layout
+from compaction.options import CompactionOptions, Layout, model_budget
 from compaction.partition import Chunk
-from compaction.pinning import model_budget
+from compaction.render import RenderedHistory
+from compaction.tokenizer import ChatTokenizer
 from compaction.views import PrefixDigests, TokenView
 from compaction.windows import Window, plan_windows, windowed_floor
 

@@ -146,3 +146,11 @@ class CompactionOptions(BaseModel):
             first = exc.errors()[0]
             field = ".".join(str(p) for p in first["loc"]) or "options"
             raise InvalidInput(field, first["msg"]) from exc
+
+
+def model_budget(options: CompactionOptions) -> int:
+    """Tokens the model's summary of one chunk may use: the budget less the pinned share."""
+    budget = options.max_chunk_summary_tokens
+    if options.strategy == "extractive" or options.pinned_share == 0:
+        return budget
+    return max(1, round(budget * (1 - options.pinned_share)))

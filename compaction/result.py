@@ -6,8 +6,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from compaction.checks.quality import Verdict
 from compaction.history import Message
-from compaction.quality import Verdict
 
 ChunkStatus = Literal["ok", "retried", "runaway_trimmed", "kept_verbatim", "extractive_fallback", "extractive"]
 

@@ -1,15 +1,53 @@
-"""The Hugging Face implementation of `ChatTokenizer` (transformers is imported lazily)."""
+"""What the core needs of a model's tokenizer and chat template (`ChatTokenizer`), and its Hugging Face
+implementation (transformers is imported lazily)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from compaction.errors import InvalidInput
 
 _PROBE = "\x00PROBE\x00"
+
+
+class ChatTokenizer(Protocol):
+    """What the core needs from a model's tokenizer and chat template."""
+
+    def render(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = False) -> str:
+        """The chat template applied to the messages (by default without a generation prompt)."""
+        ...
+
+    def encode_with_offsets(self, text: str, as_text: bool = False) -> tuple[list[int], list[int]]:
+        """Token ids of `text` (no special tokens added) and each token's start character.
+
+        `as_text`: control tokens spelled in `text` are tokenised as plain text, not parsed.
+        """
+        ...
+
+    @property
+    def control_token_ids(self) -> frozenset[int]:
+        """Ids the tokenizer parses out of text by their spelling (the template's markers among them)."""
+        ...
+
+    def preamble(self, first_role: str) -> str:
+        """Text the template writes before the first message's own turn when it has this role."""
+        ...
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, token_ids: Sequence[int]) -> str: ...
+
+    def user_turn(self, content: str) -> str:
+        """Text that appends a user turn holding `content`, then the assistant generation prompt."""
+        ...
+
+    @property
+    def end_of_turn(self) -> str:
+        """Text the template writes after a message's content to close its turn."""
+        ...
 
 
 class HFChatTokenizer:

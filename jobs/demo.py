@@ -26,31 +26,19 @@ from typing import Any
 
 import httpx
 
+from compaction.checks.quality import repeated_sentences
 from compaction.errors import CompactionError
-from compaction.history import ChatTokenizer
 from compaction.options import VARIANTS
-from compaction.quality import repeated_sentences
+from compaction.tokenizer import ChatTokenizer
 from jobs.agent.chat_loop import ChatEpisode, LoopSettings, run_episode
 from jobs.agent.tools import ToolTime
+from jobs.bench.common import MODEL, local_service, replicas, sayer, table
 from jobs.data.conversations import LOCOMO_PATH, load_conversation, truncate_history
 from jobs.data.episodes import Document, Step
 from serving.local import quiet_http_clients
 from serving.tenants import client_key
 
-MODEL = "smollm2-135m-instruct"
-
-
-def say(message: str) -> None:
-    print(f"[demo] {message}", file=sys.stderr, flush=True)
-
-
-def table(rows: list[dict[str, Any]], columns: list[str]) -> str:
-    """A plain fixed-width text table."""
-    cells = [[f"{r[c]:.2f}" if isinstance(r[c], float) else str(r[c]) for c in columns] for r in rows]
-    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
-    lines = ["  ".join(c.rjust(w) for c, w in zip(columns, widths, strict=True))]
-    lines += ["  ".join(v.rjust(w) for v, w in zip(row, widths, strict=True)) for row in cells]
-    return "\n".join(lines)
+say = sayer("demo")
 
 
 def row(name: str, stats: dict[str, Any]) -> dict[str, Any]:
@@ -115,10 +103,7 @@ def agent_row(episode: ChatEpisode) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace, quiet: bool) -> int:
-    from ray import serve
-
     from compaction.tokenizer import HFChatTokenizer
-    from serving.local import APP_NAME, LocalService
     from serving.weights import fetch
 
     tokenizer = HFChatTokenizer.from_path(fetch())
@@ -132,19 +117,17 @@ def run(args: argparse.Namespace, quiet: bool) -> int:
     for name, options in list(runs.items()):  # the same budgets, every summary forced to its budget
         runs[f"{name}, matched decode"] = {**options, "fixed_output_tokens": True}
     results: dict[str, dict[str, Any]] = {}
-    service_args = {"replicas": {MODEL: {"min": args.replicas, "max": args.replicas, "initial": args.replicas}}}
-    service = LocalService(args.port, service_args, quiet=quiet)
-    with service, httpx.Client(base_url=service.url, timeout=900) as client:
-        coordinator = serve.get_deployment_handle("Coordinator", app_name=APP_NAME)
+    with (
+        local_service(args.port, replicas(args.replicas), quiet=quiet) as (service, reset),
+        httpx.Client(base_url=service.url, timeout=900) as client,
+    ):
         for name, options in runs.items():
-            coordinator.reset_prefix_cache.remote(MODEL).result()
+            reset()
             say(f"{name} compaction over HTTP (fresh prefix caches)")
             began = time.perf_counter()
             results[name] = compact(client, {"model": MODEL, "messages": messages, "variant": args.variant, **options})
             say(f"{name} done in {time.perf_counter() - began:.1f} s")
-        episodes = play_agent(
-            service.url, messages, tokenizer, args, lambda: coordinator.reset_prefix_cache.remote(MODEL).result()
-        )
+        episodes = play_agent(service.url, messages, tokenizer, args, reset)
     rows = [row(name, result["stats"]) for name, result in results.items()]
     print(table(rows, list(rows[0])))
     for name in ("sequential", "parallel"):

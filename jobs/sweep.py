@@ -25,6 +25,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from jobs.bench.common import sayer
+
 if __package__ in (None, ""):  # run by path (`python jobs/sweep.py`): make the checkout importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -42,8 +44,7 @@ from serving.models import Catalogue, load_catalogue
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-def say(message: str) -> None:
-    print(f"[sweep {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+say = sayer("sweep", clock=True)
 
 
 class Scheduler:

@@ -4,26 +4,8 @@ One FastAPI app (ray.serve.llm's, with its middleware) serves both, so an agent'
 compactions enter through the same door. The other wire formats translate to and from the same chat
 path (`serving.wire`): `POST /v1/responses` and `/v1/responses/compact` (OpenAI Responses),
 `POST /v1/messages` and `/v1/messages/count_tokens` (Anthropic Messages). Errors leave through one
-table (`ERRORS`), as OpenAI-style bodies `{"error": {"message", "type", "param", "code"}}` naming the
-offending field (Anthropic's shape on its routes, `serving.wire.errors`):
-
-    body over max_request_bytes            413      body empty / not UTF-8 / not JSON   400
-    Content-Type not application/json      415      missing or wrong bearer key     401
-    field fails validation                 422      unknown model                   404
-    compaction queue full (Overloaded), or the tenant past its concurrency / rate limit  429 + Retry-After
-    past the request's timeout_s (DeadlineExceeded)  504
-    no replica or coordinator could finish it (BackendError, Serve back-pressure)  503 + Retry-After
-    any other HTTP error FastAPI raises (e.g. a body nested too deeply to parse)  its status, same shape
-    an exception inside a model replica (ray.serve.llm's OpenAI endpoints): 400 when the model could
-    not read the messages (KeyError/ValueError/TypeError from its chat template), else 503; never Ray's text
-    the core broke its own contract (InvalidOutput: a bug)  500
-
-Error bodies carry our own message, never an exception's text (that goes to the log); every answer
-carries the request's `x-request-id` (Serve's proxy echoes the client's or makes one), which the log
-lines name. Tenants, keys and their limits: `serving.tenants`.
-
-A body over the limit is read to its end (up to `DRAIN_LIMIT`) before the 413 goes out, so a
-client still sending it reads the answer instead of a connection reset.
+table (`serving.errors`); bodies are guarded before any handler (`serving.middleware`); tenants, keys
+and their limits: `serving.tenants`.
 """
 
 from __future__ import annotations
@@ -35,38 +17,28 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from pydantic import ConfigDict, Field, ValidationError
-from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
-from ray.serve.exceptions import BackPressureError
+from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.handle import DeploymentHandle
 from ray.serve.llm.ingress import OpenAiIngress, make_fastapi_ingress
-from starlette.datastructures import Headers
-from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.types import ASGIApp, Receive, Scope, Send
-from starlette.types import Message as AsgiMessage
 
 from compaction.errors import (
     BackendError,
     DeadlineExceeded,
     InvalidInput,
-    InvalidOutput,
-    ModelNotAvailable,
-    Overloaded,
     UnknownModel,
 )
 from compaction.history import Message, parse_messages
 from compaction.options import CompactionOptions
 from compaction.pacing import Priority
 from compaction.tokenizer import HFChatTokenizer
-from serving.chat import FIELD as CONTEXT_MANAGEMENT
-from serving.chat import PromptCounter, prepare_turn, when_sent, with_compaction
 from serving.coordinator import CompactJob, ServiceResult
 from serving.coordinator_calls import Suspects, call_coordinator
+from serving.errors import field_path, install_error_handlers
+from serving.middleware import BodyGuard
 from serving.ray_adapter import ChatRequest, CompletionRequest, http_host, openai_app, openai_routes
 from serving.routing import PlacementMode
-from serving.sessions import ChatTurn, TurnCompaction, Wire
 from serving.tenants import (
     ANONYMOUS,
     KeyTable,
@@ -78,8 +50,11 @@ from serving.tenants import (
     read_keys,
     tenant_of,
 )
+from serving.turns import FIELD as CONTEXT_MANAGEMENT
+from serving.turns import ChatTurn, PromptCounter, TurnCompaction, Wire, prepare_turn
 from serving.wire import messages as wire_messages
 from serving.wire import responses as wire_responses
+from serving.wire.chat import when_sent, with_compaction
 from serving.wire.codec import SESSION_HEADER, ChatCall, checked_session
 from serving.wire.errors import AnthropicErrors
 from serving.wire.messages import CountTokensRequest, MessagesRequest
@@ -88,21 +63,7 @@ from serving.wire.sse import chat_chunks
 
 logger = logging.getLogger(__name__)
 REPLICA_BACKOFF_S = (0.5, 1.0, 2.0)  # a chat turn whose model replica died is sent again after these pauses
-BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 DEADLINE_GRACE_S = 5.0
-DRAIN_LIMIT = 1 << 30  # an oversize body is read (and dropped) up to this size so the client can read its 413
-
-# (exception, HTTP status, error type, Retry-After seconds or None): the first match wins.
-ERRORS: tuple[tuple[type[Exception], int, str, float | None], ...] = (
-    (UnknownModel, 404, "not_found_error", None),
-    (InvalidInput, 422, "invalid_request_error", None),
-    (Overloaded, 429, "rate_limit_error", 5.0),
-    (DeadlineExceeded, 504, "timeout_error", None),
-    (BackendError, 503, "service_unavailable", 5.0),
-    (ModelNotAvailable, 503, "service_unavailable", 30.0),
-    (BackPressureError, 503, "service_unavailable", 5.0),
-    (InvalidOutput, 500, "internal_error", None),
-)
 
 
 class CompactRequest(CompactionOptions):
@@ -152,150 +113,6 @@ class CompactRequest(CompactionOptions):
             tenant=tenant.id,
             cache_salt=tenant.cache_salt,
         )
-
-
-def error_response(
-    status: int, kind: str, message: str, param: str | None = None, retry: float | None = None
-) -> JSONResponse:
-    headers = {"Retry-After": str(int(retry))} if retry is not None else None
-    body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
-    return JSONResponse(body, status_code=status, headers=headers)
-
-
-def field_path(loc: tuple[Any, ...] | list[Any]) -> str:
-    """("body", "messages", 0, "role") -> "messages[0].role"."""
-    out = ""
-    for part in loc[1:] if loc and loc[0] == "body" else loc:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
-    return out or "body"
-
-
-async def on_validation_error(request: Request, exc: Exception) -> JSONResponse:
-    assert isinstance(exc, RequestValidationError)
-    errors = list(exc.errors())
-    first: dict[str, Any] = dict(errors[0]) if errors else {"type": "", "loc": ("body",), "msg": "invalid request"}
-    if first["type"] == "json_invalid":
-        detail = dict(first.get("ctx") or {}).get("error", "malformed")
-        return error_response(400, "invalid_request_error", f"body: not valid JSON ({detail})", "body")
-    field = field_path(tuple(first["loc"]))
-    return error_response(422, "invalid_request_error", f"{field}: {first['msg']}", field)
-
-
-async def on_http_error(request: Request, exc: Exception) -> JSONResponse:
-    """FastAPI's own HTTP errors (a body it cannot parse, an unknown path, a wrong method) in our shape."""
-    assert isinstance(exc, HTTPException)
-    if isinstance(exc.__cause__, RecursionError):
-        message = "body: JSON nested too deeply to parse; send a flatter document"
-    else:
-        message = f"body: {exc.detail}" if exc.status_code == 400 else str(exc.detail)
-    param = "body" if exc.status_code == 400 else None
-    response = error_response(exc.status_code, "invalid_request_error", message, param)
-    response.headers.update(exc.headers or {})
-    return response
-
-
-async def on_replica_error(request: Request, exc: Exception) -> JSONResponse:
-    """An exception raised inside a model replica, without Ray's internals in the answer."""
-    assert isinstance(exc, RayTaskError)
-    cause = exc.cause
-    if isinstance(cause, KeyError | ValueError | TypeError):
-        detail = f"{type(cause).__name__}: {str(cause)[:200]}"
-        message = f"messages: the model's chat template could not render them ({detail}); send OpenAI-style messages"
-        return error_response(400, "invalid_request_error", message, "messages")
-    logger.error("a model replica failed on %s (request %s): %r", request.url.path, _request_id(request), exc)
-    return error_response(
-        503, "service_unavailable", "the model replica failed on this request; retry shortly", None, 5
-    )
-
-
-async def on_error(request: Request, exc: Exception) -> JSONResponse:
-    for kind, status, name, retry in ERRORS:
-        if isinstance(exc, kind):
-            if isinstance(exc, InvalidInput):
-                return error_response(status, name, f"{exc.field}: {exc.message}", exc.field)
-            wait = exc.retry_after_s if isinstance(exc, Overloaded) else retry
-            if status >= 500:
-                logger.warning("%s on %s (request %s): %s", name, request.url.path, _request_id(request), exc)
-            return error_response(status, name, str(exc), None, wait)
-    raise exc
-
-
-def _request_id(request: Request) -> str | None:
-    """The x-request-id every answer carries (the client's, or Serve's), for the log lines of a failure."""
-    return request.headers.get("x-request-id")
-
-
-class _ClientLeft(Exception):
-    """The client disconnected while sending its body."""
-
-
-class BodyGuard:
-    """Refuses a body over the size limit (413), not JSON (415) or not UTF-8 (400) before any handler."""
-
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app = app
-        self.max_bytes = max_bytes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] not in BODY_METHODS:
-            return await self.app(scope, receive, send)
-        headers = Headers(scope=scope)
-        declared = headers.get("content-length", "")
-        too_big = f"body: over the limit of {self.max_bytes} bytes; send a shorter history or raise max_request_bytes"
-        try:
-            body = await self._read(receive, keep=not (declared.isdigit() and int(declared) > self.max_bytes))
-        except _ClientLeft:
-            return None
-        if body is None:
-            return await error_response(413, "request_too_large", too_big, "body")(scope, receive, send)
-        problem = self._problem(headers, body)
-        if problem is not None:
-            return await problem(scope, receive, send)
-        await self.app(scope, self._replay(body, receive), send)
-
-    async def _read(self, receive: Receive, *, keep: bool) -> bytes | None:
-        """The whole body, or None when it passes the limit: then it is read to its end (up to DRAIN_LIMIT)
-        and dropped, so the client finishes sending and reads the 413. Raises _ClientLeft on a disconnect."""
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                raise _ClientLeft
-            part = message.get("body", b"")
-            size += len(part)
-            keep = keep and size <= self.max_bytes
-            if keep:
-                chunks.append(part)
-            if not message.get("more_body") or size > DRAIN_LIMIT:
-                return b"".join(chunks) if keep else None
-
-    @staticmethod
-    def _problem(headers: Headers, body: bytes) -> JSONResponse | None:
-        media = headers.get("content-type", "").split(";")[0].strip().lower()
-        if media != "application/json":
-            message = f"body: Content-Type must be application/json, got {media or 'none'!r}"
-            return error_response(415, "invalid_request_error", message, "body")
-        if not body.strip():
-            return error_response(400, "invalid_request_error", "body: empty; send a JSON object", "body")
-        try:
-            body.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            return error_response(400, "invalid_request_error", f"body: not UTF-8 (byte {exc.start})", "body")
-        return None
-
-    @staticmethod
-    def _replay(body: bytes, receive: Receive) -> Receive:
-        done = False
-
-        async def replay() -> AsgiMessage:
-            nonlocal done
-            if done:
-                return await receive()
-            done = True
-            return {"type": "http.request", "body": body, "more_body": False}
-
-        return replay
 
 
 class CompactionIngress(OpenAiIngress):
@@ -351,7 +168,7 @@ class CompactionIngress(OpenAiIngress):
         return outcome
 
     async def chat(self, body: ChatRequest, request: Request) -> Response:
-        """OpenAI chat completions. With `context_management`, compacted server-side (see serving.chat)."""
+        """OpenAI chat completions. With `context_management`, compacted server-side (see serving.turns)."""
         if CONTEXT_MANAGEMENT not in (body.model_extra or {}):
             salt = tenant_of(request).salted(body.cache_salt)
             return await self._chat_on_a_live_replica(body.model_copy(update={"cache_salt": salt}), request)
@@ -527,11 +344,7 @@ def make_ingress(
         "POST /v1/compact compacts an agent's history with parallel chunk summaries; the OpenAI "
         "endpoints serve the agent's own turns on the same replicas.",
     )
-    app.add_exception_handler(RequestValidationError, on_validation_error)
-    app.add_exception_handler(HTTPException, on_http_error)
-    app.add_exception_handler(RayTaskError, on_replica_error)
-    for kind, *_ in ERRORS:
-        app.add_exception_handler(kind, on_error)
+    install_error_handlers(app)
     app.add_middleware(BodyGuard, max_bytes=max_request_bytes)
     app.add_middleware(TenantGate, config=tenancy or TenancyConfig())
     app.add_middleware(AnthropicErrors)

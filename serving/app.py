@@ -30,17 +30,17 @@ from compaction.compactor import Compactor
 from compaction.errors import CompactionError
 from compaction.tokenizer import HFChatTokenizer
 from serving.api import make_ingress
+from serving.background import DEFAULT_MAX_BYTES as SESSION_BYTES
+from serving.background import SessionCompactions
 from serving.coordinator import AdmissionConfig, CompactJob, Coordinator, Failure, ModelRuntime, ServiceResult
-from serving.dispatch import ReplicaBackend
 from serving.metrics import RayMetrics, record_stall
-from serving.models import ModelSpec, Replicas, load_catalogue
+from serving.models import DEFAULT_MODEL, ModelSpec, Replicas, load_catalogue
 from serving.ray_adapter import ROUTER_CLASS, model_card, router_kwargs
+from serving.replica_backend import ReplicaBackend
 from serving.routing import CostModel
-from serving.sessions import DEFAULT_MAX_BYTES as SESSION_BYTES
-from serving.sessions import ChatTurn, SessionCompactions, TurnCompaction
 from serving.tenants import TenancyConfig, TenantLimits
+from serving.turns import ChatTurn, TurnCompaction
 
-DEFAULT_MODEL = "smollm2-135m-instruct"
 COORDINATOR_MAX_ONGOING = 100_000
 GAUGE_REFRESH_S = 1.0  # Ray keeps a gauge value for two export intervals (1 s each at the least)
 
@@ -264,7 +264,7 @@ class CoordinatorDeployment:
             return Failure.of(exc)
 
     async def chat_turn(self, turn: ChatTurn) -> TurnCompaction | Failure:
-        """The compaction outcome of one chat turn with context_management (serving.sessions)."""
+        """The compaction outcome of one chat turn with context_management (serving.background)."""
         self._keep_gauges()
         try:
             runtime = self._coordinator.runtime(turn.model)

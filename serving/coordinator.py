@@ -32,7 +32,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from compaction.backend import Backend, Generation, GenerationRequest
-from compaction.compactor import CompactionPlan, Compactor, request_id
+from compaction.compactor import Compactor, request_id
 from compaction.errors import (
     BackendError,
     CompactionError,
@@ -47,6 +47,7 @@ from compaction.errors import (
 from compaction.history import Message, chat_view
 from compaction.options import CompactionOptions
 from compaction.pacing import BACKGROUND, PRIORITIES, Escalation, Priority
+from compaction.plan import CompactionPlan
 from compaction.result import CompactionResult, CompactionStats
 from serving.admission import Gate, Limits, SharedRuns
 from serving.metrics import Outcome, OutcomeKind, Sink

@@ -4,7 +4,7 @@
 
 It prints the URL once the application is ready and stays up until Ctrl-C, then shuts Serve and
 Ray down (the vLLM engines with them). `LocalService` is the same thing as a context manager, used
-by `jobs.demo` and `jobs.affinity`.
+by `jobs.demo` and `jobs.bench.affinity`.
 
 Quiet by default: only our `[serve]` lines. `--verbose` (or `VERBOSE=1`) shows Ray's, Serve's and
 vLLM's logs, the replicas' included, and whatever Ray prints while shutting down.

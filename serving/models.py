@@ -10,10 +10,11 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from compaction.errors import InvalidInput, UnknownModel
-from compaction.limits import PlanLimits
 from compaction.pacing import YieldRule
+from compaction.partition import PlanLimits
 
 DEFAULT_CATALOGUE = Path(__file__).with_name("catalogue.yaml")
+DEFAULT_MODEL = "smollm2-135m-instruct"  # the CPU default: what the service hosts when told nothing else
 CPU_DEFAULT_SOURCE = "cpu-default"
 # Engine arguments that are catalogue fields (sizing reads them), so engine_kwargs may not override them.
 FIELD_ENGINE_ARGS = frozenset(
@@ -149,14 +150,14 @@ class ModelSpec(BaseModel):
         le=65_536,
         description="Chunk prompts one compaction may plan; more get 422 naming the chunk_tokens that fits. None: "
         "the sequences one replica batches (batch_sequences(): max_num_seqs, 128 on the CPU, 1,024 on an H100), "
-        "so a compaction's prompts fit one engine's batch (compaction.limits).",
+        "so a compaction's prompts fit one engine's batch (compaction.partition).",
     )
     max_history_tokens: int | None = Field(
         None,
         ge=512,
         le=67_108_864,
         description="Tokens a history to compact may render to; more get 422. None: 16 model windows "
-        "(compaction.limits.HISTORY_WINDOWS x max_model_len: 131,072 for an 8,192-token window).",
+        "(compaction.partition.HISTORY_WINDOWS x max_model_len: 131,072 for an 8,192-token window).",
     )
     engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="Extra vLLM engine arguments.")
     description: str = ""
@@ -197,7 +198,7 @@ class ModelSpec(BaseModel):
 
     def plan_limits(self) -> PlanLimits:
         """The caps on one compaction's work for this model: the catalogue's, else the defaults of its window
-        and engine batch (compaction.limits)."""
+        and engine batch (compaction.partition)."""
         default = PlanLimits.for_window(self.max_model_len, self.batch_sequences())
         return PlanLimits(self.max_chunks or default.max_chunks, self.max_history_tokens or default.max_history_tokens)
 

@@ -27,7 +27,7 @@ import httpx
 import psutil
 import yaml
 
-from jobs.processes import raylet_of, service_processes
+from jobs.bench.processes import raylet_of, service_processes
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "smollm2-135m-instruct"

@@ -12,16 +12,9 @@ from fastapi.testclient import TestClient
 from starlette.exceptions import HTTPException
 
 from compaction.errors import BackendError, DeadlineExceeded, InvalidInput, Overloaded, UnknownModel
-from serving.api import (
-    ERRORS,
-    BodyGuard,
-    CompactRequest,
-    field_path,
-    on_error,
-    on_http_error,
-    on_replica_error,
-    on_validation_error,
-)
+from serving.api import CompactRequest
+from serving.errors import ERRORS, field_path, on_error, on_http_error, on_replica_error, on_validation_error
+from serving.middleware import BodyGuard
 from serving.tenants import TenancyConfig, TenantGate
 
 GOOD: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}

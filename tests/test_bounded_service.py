@@ -17,7 +17,7 @@ from tests.support import SERVED_MODEL, SERVICE_MAX_BYTES
 
 pytestmark = [pytest.mark.ray, pytest.mark.engine]
 
-# The CPU default's caps (compaction.limits): one engine batch of chunks, sixteen 8,192-token windows.
+# The CPU default's caps (compaction.partition): one engine batch of chunks, sixteen 8,192-token windows.
 MAX_CHUNKS, MAX_HISTORY_TOKENS = 128, 16 * 8192
 
 

@@ -7,7 +7,7 @@ from compaction.history import parse_messages
 from compaction.partition import Chunk
 from compaction.result import ChunkStats
 from compaction.tokenizer import HFChatTokenizer
-from serving.chat import RECORD_BYTES, PromptCounter
+from serving.turns import RECORD_BYTES, PromptCounter
 
 
 def test_the_chunk_cache_drops_its_oldest_summaries_past_its_bytes() -> None:

@@ -12,10 +12,10 @@ from starlette.responses import JSONResponse, StreamingResponse
 
 from compaction.errors import InvalidInput
 from compaction.history import parse_messages
-from compaction.policy import prompt_tokens
 from compaction.tokenizer import HFChatTokenizer
-from serving.chat import PromptCounter, compaction_json, prepare_turn, when_sent, with_compaction
-from serving.sessions import ChatTurn, TurnCompaction
+from compaction.turn_policy import prompt_tokens
+from serving.turns import ChatTurn, PromptCounter, TurnCompaction, prepare_turn
+from serving.wire.chat import compaction_json, when_sent, with_compaction
 
 SYSTEM = {"role": "system", "content": "You are a coding agent."}
 

@@ -7,8 +7,9 @@ import copy
 import pytest
 
 from compaction.backend import GenerationRequest
-from compaction.compactor import SUMMARY_HEADER, Compactor
+from compaction.compactor import Compactor
 from compaction.errors import BackendError, ContextOverflow, InvalidInput
+from compaction.plan import SUMMARY_HEADER
 from compaction.tokenizer import HFChatTokenizer
 from tests.fakes import PLAIN, FakeBackend
 

@@ -10,9 +10,9 @@ from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from compaction.compactor import Compactor
-from compaction.content import content_spans, encode_rendering
-from compaction.history import parse_messages, render_history, template_view
+from compaction.history import parse_messages, template_view
 from compaction.layouts import tail_ids
+from compaction.render import content_spans, encode_rendering, render_history
 from compaction.tokenizer import HFChatTokenizer
 from jobs.data.traces import coding_trace
 from tests.fakes import FakeBackend

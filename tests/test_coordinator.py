@@ -23,13 +23,14 @@ from compaction.errors import (
     Overloaded,
     UnknownModel,
 )
-from compaction.history import parse_messages, render_history
+from compaction.history import parse_messages
 from compaction.options import CompactionOptions
+from compaction.render import render_history
 from compaction.tokenizer import HFChatTokenizer
 from serving.admission import GateState
 from serving.coordinator import AdmissionConfig, CompactJob, Coordinator, Failure, ModelRuntime
-from serving.dispatch import ReplicaBackend, ReplicaFailed
 from serving.metrics import Outcome
+from serving.replica_backend import ReplicaBackend, ReplicaFailed
 from serving.routing import RouteKey, order_replicas
 from tests.fakes import FakeBackend
 

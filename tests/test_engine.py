@@ -7,9 +7,10 @@ from typing import Any
 import pytest
 
 from compaction.chunk_cache import ChunkCache
-from compaction.compactor import Compactor, is_summary
+from compaction.compactor import Compactor
+from compaction.plan import is_summary
 from compaction.tokenizer import HFChatTokenizer
-from jobs.bench_compaction import prime_agent_cache
+from jobs.bench.compaction import prime_agent_cache
 from jobs.data.conversations import locomo_messages, truncate_history
 from tests.fakes import PLAIN
 

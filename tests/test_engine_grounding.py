@@ -6,10 +6,10 @@ from typing import Any
 
 import pytest
 
+from compaction.checks.grounding import Source
+from compaction.checks.quality import repeated_sentences
 from compaction.compactor import Compactor
-from compaction.grounding import Source
 from compaction.history import parse_messages, template_view
-from compaction.quality import repeated_sentences
 from compaction.tokenizer import HFChatTokenizer
 from jobs.data.facts import coding_history
 

@@ -7,7 +7,8 @@ from typing import Any
 
 from compaction.compactor import Compactor
 from compaction.extractive import CALL_TAG, candidate_lines, extract, segments
-from compaction.history import parse_messages, render_history
+from compaction.history import parse_messages
+from compaction.render import render_history
 from compaction.tokenizer import HFChatTokenizer
 from tests.fakes import FakeBackend
 

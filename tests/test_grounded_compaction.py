@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from compaction.backend import GenerationRequest
+from compaction.checks.grounding import salient_tokens
 from compaction.compactor import Compactor
-from compaction.grounding import salient_tokens
 from compaction.tokenizer import HFChatTokenizer
 from tests.fakes import PLAIN, FakeBackend
 from tests.test_compactor import history

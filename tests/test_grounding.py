@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from compaction.grounding import Source, prune, salient_tokens
+from compaction.checks.grounding import Source, prune, salient_tokens
 
 
 @pytest.mark.parametrize(

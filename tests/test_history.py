@@ -2,9 +2,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from compaction.content import content_spans, encode_rendering
 from compaction.errors import InvalidInput
-from compaction.history import chat_view, parse_messages, render_history, template_view
+from compaction.history import chat_view, parse_messages, template_view
+from compaction.render import content_spans, encode_rendering, render_history
 from compaction.tokenizer import HFChatTokenizer
 
 

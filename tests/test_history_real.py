@@ -1,7 +1,7 @@
 """Coding-agent histories on the real engine and through the real service (shared `service` fixture).
 
 Lean on purpose: a ~2k-token trace on the engine with the compactor's window narrowed to 1,536
-tokens exercises the windowed layout; the ~20k-token run on the 8k window is `python -m jobs.bench_history`.
+tokens exercises the windowed layout; the ~20k-token run on the 8k window is `python -m jobs.bench.history`.
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from typing import Any
 import httpx
 import pytest
 
+from compaction.checks.validity import problems
 from compaction.compactor import Compactor
 from compaction.history import parse_messages
 from compaction.tokenizer import HFChatTokenizer
-from compaction.validity import problems
 from jobs.data.traces import coding_trace
 from tests.support import SERVED_MODEL
 from tests.test_validity import openai_valid

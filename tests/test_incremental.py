@@ -6,9 +6,10 @@ from typing import Any
 
 from compaction.backend import GenerationRequest
 from compaction.chunk_cache import ChunkCache
-from compaction.compactor import SUMMARY_HEADER, Compactor, is_summary
+from compaction.compactor import Compactor
 from compaction.history import parse_messages
 from compaction.partition import Chunk, partition
+from compaction.plan import SUMMARY_HEADER, is_summary
 from compaction.result import ChunkStats
 from compaction.tokenizer import HFChatTokenizer
 from tests.fakes import PLAIN, FakeBackend

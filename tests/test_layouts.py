@@ -8,10 +8,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from compaction.chunk_content import INSTRUCTIONS
-from compaction.history import parse_messages, render_history
+from compaction.history import parse_messages
 from compaction.layouts import SEGMENT, TARGET, build_prompts, prefill_floor
 from compaction.options import CompactionOptions
 from compaction.partition import partition
+from compaction.render import render_history
 from compaction.tokenizer import HFChatTokenizer
 
 WORDS = ["alpha", "beta", "Paris", "2023", "said", "the", "meeting", "moved", "to", "Friday", ".", "?", "\n"]

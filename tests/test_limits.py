@@ -9,7 +9,7 @@ import pytest
 from compaction.chunk_cache import ChunkCache
 from compaction.compactor import Compactor
 from compaction.errors import OverLimit
-from compaction.limits import PlanLimits
+from compaction.partition import PlanLimits
 from compaction.tokenizer import HFChatTokenizer
 from serving.models import load_catalogue
 

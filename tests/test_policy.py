@@ -9,7 +9,8 @@ import pytest
 from compaction.compactor import Compactor
 from compaction.errors import InvalidInput, NothingToCompact
 from compaction.history import parse_messages
-from compaction.policy import (
+from compaction.tokenizer import HFChatTokenizer
+from compaction.turn_policy import (
     ContextManagement,
     Snapshot,
     check_window,
@@ -18,7 +19,6 @@ from compaction.policy import (
     parse_context_management,
     spliced,
 )
-from compaction.tokenizer import HFChatTokenizer
 from tests.fakes import FakeBackend
 
 ENTRY = {"type": "compaction", "compact_threshold": 6000}

@@ -126,9 +126,9 @@ async def test_a_burst_queues_then_sheds_and_identical_requests_run_once(service
 def test_the_load_benchmark_drives_sessions_through_the_service(
     service: LocalService, locomo: list[dict[str, Any]], tokenizer: Any, tmp_path: Any
 ) -> None:
-    """jobs/load.py's library at a tiny level: two agent sessions (a turn, then a compaction), one figure."""
-    from jobs.load import plot
-    from jobs.traffic.load import make_sessions, run_level
+    """jobs/bench/load.py's library at a tiny level: two agent sessions (a turn, then a compaction), one figure."""
+    from jobs.bench.load import plot
+    from jobs.bench.traffic import make_sessions, run_level
 
     sessions = make_sessions(locomo, tokenizer, 2, 384, 1)
     assert len({s.history[0]["content"] for s in sessions}) == 2  # no shared prefix between sessions

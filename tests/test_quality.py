@@ -1,4 +1,4 @@
-from compaction.quality import collapse_repeats, drop_instructions, judge, repetition_ratio
+from compaction.checks.quality import collapse_repeats, drop_instructions, judge, repetition_ratio
 
 
 def test_loop_that_hits_the_limit_is_runaway() -> None:

@@ -7,15 +7,17 @@ from typing import Any
 import pytest
 
 from compaction.backend import GenerationRequest
+from compaction.checks.quality import collapse_repeats, judge, repeated_sentences
 from compaction.chunk_content import INSTRUCTIONS, classify
-from compaction.compactor import SUMMARY_HEADER, Compactor
+from compaction.compactor import Compactor
 from compaction.extractive import segments
-from compaction.history import parse_messages, render_history
+from compaction.history import parse_messages
+from compaction.merge import USER_WORDS_HEADER, ChunkText, pin
+from compaction.merge import keep_user_words as keep
 from compaction.partition import Chunk
-from compaction.pinning import ChunkText, pin
-from compaction.quality import collapse_repeats, judge, repeated_sentences
+from compaction.plan import SUMMARY_HEADER
+from compaction.render import render_history
 from compaction.tokenizer import HFChatTokenizer
-from compaction.user_words import USER_WORDS_HEADER, keep
 from jobs.data.analysis_traces import analysis_trace
 from jobs.data.traces import coding_trace
 from tests.fakes import PLAIN, FakeBackend

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from compaction.tokenizer import HFChatTokenizer
-from jobs.affinity import figure, make_session, measure
+from jobs.bench.affinity import figure, make_session, measure
 from jobs.data.conversations import locomo_messages, truncate_history
 from serving.local import APP_NAME, LocalService
 from tests.support import SERVED_MODEL, SERVICE_KEY, SERVICE_MAX_BYTES

@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from compaction.grounding import Source
+from compaction.checks.grounding import Source
 from compaction.history import parse_messages, template_view
 from compaction.tokenizer import HFChatTokenizer
 from jobs.data.facts import coding_history

@@ -7,13 +7,14 @@ from typing import Any
 
 import pytest
 
-from compaction.compactor import is_summary
 from compaction.errors import BackendError, InvalidInput
 from compaction.history import parse_messages
-from compaction.policy import parse_context_management, prompt_tokens
+from compaction.plan import is_summary
 from compaction.tokenizer import HFChatTokenizer
+from compaction.turn_policy import parse_context_management, prompt_tokens
+from serving.background import SessionCompactions
 from serving.coordinator import CompactJob, ServiceResult
-from serving.sessions import WIRE_FIELD, ChatTurn, SessionCompactions
+from serving.turns import WIRE_FIELD, ChatTurn
 from tests.test_coordinator import MODEL, FakeReplicas, coordinator
 
 SYSTEM = {"role": "system", "content": "You are a travel agent."}

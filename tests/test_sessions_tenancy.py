@@ -7,7 +7,8 @@ import asyncio
 from typing import Any
 
 from compaction.tokenizer import HFChatTokenizer
-from serving.sessions import ChatTurn, SessionCompactions
+from serving.background import SessionCompactions
+from serving.turns import ChatTurn
 from tests.test_coordinator import FakeReplicas
 from tests.test_sessions import SYSTEM, Counting, conversation, turn
 

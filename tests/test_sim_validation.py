@@ -14,9 +14,10 @@ from typing import Any
 import httpx
 import pytest
 
-from compaction.history import parse_messages, render_history
+from compaction.history import parse_messages
+from compaction.render import render_history
 from compaction.tokenizer import HFChatTokenizer
-from jobs.affinity import make_session
+from jobs.bench.affinity import make_session
 from jobs.data.conversations import locomo_messages
 from jobs.sim.calibrate import calibrate, calibration_prompt, cpu_kv_tokens
 from jobs.sim.validate import MODEL, Workload, ratio, table, validate

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from compaction.checks.grounding import Source
+from compaction.checks.sources import ChunkSources
 from compaction.extractive import segments
-from compaction.grounding import Source
-from compaction.history import parse_messages, render_history
+from compaction.history import parse_messages
 from compaction.partition import partition
-from compaction.sources import ChunkSources
+from compaction.render import render_history
 from compaction.tokenizer import HFChatTokenizer
 
 

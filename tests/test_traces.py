@@ -8,9 +8,10 @@ from typing import Any
 
 import pytest
 
-from compaction.history import parse_messages, render_history, template_view
+from compaction.checks.validity import problems
+from compaction.history import parse_messages, template_view
+from compaction.render import render_history
 from compaction.tokenizer import HFChatTokenizer
-from compaction.validity import problems
 from jobs.data.conversations import load_conversation, truncate_history
 from jobs.data.traces import QUESTIONS, coding_trace, main
 

@@ -11,11 +11,12 @@ from hypothesis import strategies as st
 from openai.types.chat import ChatCompletionMessageParam
 from pydantic import TypeAdapter
 
+from compaction.checks.validity import check_output, problems, turn_start
 from compaction.compactor import Compactor
 from compaction.errors import InvalidInput, InvalidOutput
-from compaction.history import Message, parse_messages, render_history
+from compaction.history import Message, parse_messages
+from compaction.render import render_history
 from compaction.tokenizer import HFChatTokenizer
-from compaction.validity import check_output, problems, turn_start
 from jobs.data.traces import coding_trace
 from tests.fakes import FakeBackend
 
@@ -23,7 +24,7 @@ OPENAI_MESSAGES = TypeAdapter(list[ChatCompletionMessageParam])  # the official 
 
 
 def openai_valid(messages: list[dict[str, Any]]) -> bool:
-    """An oracle independent of compaction.validity: calls are answered right after their turn, nothing else."""
+    """An oracle independent of compaction.checks.validity: calls are answered right after their turn, nothing else."""
     i = 0
     while i < len(messages):
         if messages[i]["role"] == "tool":

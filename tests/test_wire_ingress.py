@@ -18,8 +18,8 @@ from compaction.tokenizer import HFChatTokenizer
 from serving.api import CompactionIngress
 from serving.coordinator import CompactJob, ServiceResult
 from serving.ray_adapter import ChatRequest
-from serving.sessions import ChatTurn, TurnCompaction
 from serving.tenants import DEFAULT_TENANT, Tenant
+from serving.turns import ChatTurn, TurnCompaction
 from serving.wire.messages import CountTokensRequest, MessagesRequest
 from serving.wire.responses import CompactResponsesRequest, ResponsesRequest
 from tests.test_coordinator import MODEL, FakeReplicas, coordinator

@@ -17,12 +17,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.testclient import TestClient
 from pydantic import TypeAdapter
 
-from compaction.compactor import SUMMARY_HEADER
 from compaction.errors import InvalidInput
 from compaction.history import parse_messages
+from compaction.plan import SUMMARY_HEADER
 from compaction.tokenizer import HFChatTokenizer
-from serving.api import ERRORS, on_error, on_validation_error
-from serving.sessions import WIRE_FIELD
+from serving.errors import ERRORS, on_error, on_validation_error
+from serving.turns import WIRE_FIELD
 from serving.wire.codec import ChatCall, decode, dumps, encode
 from serving.wire.errors import AnthropicErrors
 from serving.wire.messages import (

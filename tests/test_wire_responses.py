@@ -18,7 +18,7 @@ from compaction.errors import InvalidInput
 from compaction.history import parse_messages
 from compaction.tokenizer import HFChatTokenizer
 from serving.coordinator import CompactJob
-from serving.sessions import WIRE_FIELD
+from serving.turns import WIRE_FIELD
 from serving.wire.codec import ChatCall, decode, dumps, encode
 from serving.wire.responses import (
     CompactResponsesRequest,

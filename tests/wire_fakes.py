@@ -7,8 +7,8 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from compaction.tokenizer import HFChatTokenizer
-from serving.chat import PromptCounter, prepare_turn
-from serving.sessions import SessionCompactions, TurnCompaction, Wire
+from serving.background import SessionCompactions
+from serving.turns import PromptCounter, TurnCompaction, Wire, prepare_turn
 from serving.wire.codec import ChatCall
 from tests.test_coordinator import FakeReplicas, coordinator
 

@@ -17,10 +17,11 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from compaction.backend import Backend, GenerationRequest
 from compaction.compactor import Compactor
-from compaction.history import ChatTokenizer, Message, parse_messages, template_view
+from compaction.history import Message, parse_messages, template_view
+from compaction.merge import user_words, user_words_budget
 from compaction.options import CompactionOptions
 from compaction.result import CompactionStats
-from compaction.user_words import budget as user_words_budget
+from compaction.tokenizer import ChatTokenizer
 from jobs.data.episodes import Document, Question, Step
 
 SYSTEM_PROMPT = (
@@ -103,7 +104,7 @@ def matched_options(
     words_budget = min(user_words_budget(options, compactor.context_window), summary_tokens // 4)
     options = options.model_copy(update={"user_words_tokens": words_budget})
     plan = compactor.plan(history, options)
-    words = compactor.user_words(plan)
+    words = user_words(plan, compactor.tokenizer, compactor.context_window)
     rest = summary_tokens - (len(compactor.tokenizer.encode(words.render())) if words.texts else 0)
     chunks = 1 if options.strategy == "sequential" else len(plan.chunks)
     per_chunk = max(MIN_CHUNK_SUMMARY_TOKENS, rest // chunks)

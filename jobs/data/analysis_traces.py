@@ -16,7 +16,7 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-from compaction.history import ChatTokenizer
+from compaction.tokenizer import ChatTokenizer
 from jobs.data.traces import CodingTrace, PlantedFact, Session, TokenCounter, check_planted, grow_until
 
 

@@ -7,9 +7,11 @@ import os
 from pathlib import Path
 from typing import Any
 
+from compaction.checks.validity import turn_start
 from compaction.errors import InvalidInput
-from compaction.history import ChatTokenizer, parse_messages, render_history
-from compaction.validity import turn_start
+from compaction.history import parse_messages
+from compaction.render import render_history
+from compaction.tokenizer import ChatTokenizer
 
 # The shared data folder beside the checkout (`../shared/data`), or $COMPACTION_DATA.
 SHARED_DATA = Path(os.environ.get("COMPACTION_DATA") or Path(__file__).resolve().parents[3] / "shared" / "data")

@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from compaction.history import ChatTokenizer
+from compaction.tokenizer import ChatTokenizer
 from jobs.data.analysis_traces import analysis_trace
 from jobs.data.conversations import locomo_messages, locomo_session_numbers, truncate_history
 from jobs.data.datasets import LocomoSample

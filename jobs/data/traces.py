@@ -22,7 +22,8 @@ from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
-from compaction.history import ChatTokenizer, parse_messages, template_view
+from compaction.history import parse_messages, template_view
+from compaction.tokenizer import ChatTokenizer
 from jobs.data.trace_text import (
     CONSTRAINTS,
     PROJECTS,

@@ -18,11 +18,11 @@ from typing import Any, Protocol, runtime_checkable
 import pyarrow as pa
 
 from compaction.backend import Backend
+from compaction.checks.quality import repeated_sentences
 from compaction.compactor import Compactor
 from compaction.errors import InvalidInput
-from compaction.history import ChatTokenizer, Message, parse_messages
-from compaction.quality import repeated_sentences
-from compaction.tokenizer import HFChatTokenizer
+from compaction.history import Message, parse_messages
+from compaction.tokenizer import ChatTokenizer, HFChatTokenizer
 from jobs.agent.judge import Grade, Judge
 from jobs.agent.metrics import score_answer
 from jobs.agent.pipeline import AgentPipeline, AgentSettings, Episode, Turn, matched_options

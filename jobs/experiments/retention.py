@@ -20,8 +20,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from compaction.backend import Backend, GenerationRequest
-from compaction.history import ChatTokenizer, Message, template_view
+from compaction.history import Message, template_view
 from compaction.result import CompactionStats
+from compaction.tokenizer import ChatTokenizer
 from jobs.agent.judge import Grade, Judge
 from jobs.agent.pipeline import question_prompt
 from jobs.data.episodes import Question

@@ -20,7 +20,7 @@ from pathlib import Path
 import yaml
 
 from compaction.backend import Backend, Generation, GenerationRequest
-from compaction.history import ChatTokenizer
+from compaction.tokenizer import ChatTokenizer
 from jobs.sim.profiles import DecodePoint, EngineProfile, PrefillPoint, Source
 from serving.models import cpu_dtype, dtype_bytes
 
@@ -117,7 +117,7 @@ async def calibrate(
 
 
 def write_profile(profile: EngineProfile, path: Path) -> Path:
-    header = "# Measured by `python -m jobs.simulate calibrate` (figures are this machine's; re-run to refresh).\n"
+    header = "# Measured by `python -m jobs.sim calibrate` (figures are this machine's; re-run to refresh).\n"
     path.write_text(header + yaml.safe_dump(profile.model_dump(), sort_keys=False))
     return path
 

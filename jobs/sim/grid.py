@@ -13,8 +13,6 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
-import sys
-import time
 import types
 import typing
 from collections.abc import Callable
@@ -26,6 +24,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from compaction.errors import InvalidInput
+from jobs.bench.common import sayer
 from jobs.experiments.results import ResultStore
 from jobs.sim.runner import simulate
 from jobs.sim.workload import SimConfig
@@ -103,8 +102,7 @@ def load_grid(path: str | Path) -> SimGrid:
         raise InvalidInput("config", f"{file} is invalid: {exc}") from exc
 
 
-def say(message: str) -> None:
-    print(f"[simulate {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+say = sayer("simulate", clock=True)
 
 
 def run_grid(

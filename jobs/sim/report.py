@@ -1,6 +1,6 @@
 """The simulator's report: the fleet table (per policy, blocking vs background), the paper's Table 2 shape, plots.
 
-python -m jobs.simulate report results/sim-h100-fleet results/sim-h100-tau [--out DIR]
+python -m jobs.sim report results/sim-h100-fleet results/sim-h100-tau [--out DIR]
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def load(results: list[Path]) -> pd.DataFrame:
         pd.concat([f for f in frames if not f.empty], ignore_index=True) if any(not f.empty for f in frames) else None
     )
     if rows is None:
-        raise SystemExit(f"no results in {', '.join(map(str, results))}; run `python -m jobs.simulate grid` first")
+        raise SystemExit(f"no results in {', '.join(map(str, results))}; run `python -m jobs.sim grid` first")
     return rows
 
 

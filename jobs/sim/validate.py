@@ -22,15 +22,16 @@ import httpx
 import simpy
 
 from compaction.compactor import Compactor
-from compaction.history import ChatTokenizer, parse_messages
+from compaction.history import parse_messages
 from compaction.options import CompactionOptions
+from compaction.tokenizer import ChatTokenizer
+from jobs.bench.common import MODEL
 from jobs.sim.cluster import Cluster, CompactionJob, CompactionOutcome
 from jobs.sim.profiles import EngineProfile
 from jobs.sim.shapes import PromptLengths, SegmentIds
 from serving.routing import PlacementMode
 
 POLICIES: tuple[PlacementMode, ...] = ("pinned", "spread", "round_robin")
-MODEL = "smollm2-135m-instruct"
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from typing import Any
 
 from compaction.errors import InvalidInput
 from compaction.history import Message, parse_messages
-from serving.sessions import WIRE_FIELD, TurnCompaction
+from serving.turns import WIRE_FIELD, TurnCompaction
 
 SESSION_HEADER = "x-session-id"
 PREFIX = "pc1."

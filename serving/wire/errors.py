@@ -1,4 +1,4 @@
-"""Errors in each format's own shape. The service's errors are OpenAI-style (`serving.api.error_response`),
+"""Errors in each format's own shape. The service's errors are OpenAI-style (`serving.errors.error_response`),
 which the Responses API shares; on the Anthropic routes the answer is rewritten to
 `{"type": "error", "error": {"type", "message"}}`, the type following the status:
 

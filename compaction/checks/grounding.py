@@ -108,7 +108,7 @@ def _pattern(token: str) -> re.Pattern[str]:
 class Source:
     """A text that summaries are checked against (lower-cased and white-space-collapsed once).
 
-    `shared`: texts already normalised, each searched up to its end without a copy (`compaction.sources`:
+    `shared`: texts already normalised, each searched up to its end without a copy (`compaction.checks.sources`:
     the chunks of one history share one text of it).
     """
 

@@ -1,6 +1,6 @@
 """What planning one compaction costs, in time and peak memory, as the history grows.
 
-    python -m jobs.bench_planning [--tokens 25000,50000,100000,200000] [--baseline /path/to/other/checkout]
+    python -m jobs.bench.planning [--tokens 25000,50000,100000,200000] [--baseline /path/to/other/checkout]
                                   [--baseline-max-tokens 50000]
 
 Plans a parallel compaction of a LoCoMo history (conversations repeated to the size) with the real
@@ -87,7 +87,7 @@ def measure(tokens: int, chunk: str, traced: bool) -> dict[str, Any]:
 def _limits(chunk: str) -> Any:
     """This code's caps for the GPU-sized model (None on code without caps); lifted for the 16-token rows."""
     try:
-        from compaction.limits import PlanLimits
+        from compaction.partition import PlanLimits
     except ImportError:
         return None
     if chunk == "16":

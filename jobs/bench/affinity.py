@@ -1,6 +1,6 @@
 """Prefix-cache affinity, measured by the engine: an agent session's turns, then its compaction.
 
-    python -m jobs.affinity [--port 8000] [--base-tokens 2400] [--turns 3] [--turn-tokens 300]
+    python -m jobs.bench.affinity [--port 8000] [--base-tokens 2400] [--turns 3] [--turn-tokens 300]
 
 Starts the service, then plays the same agent session three times, each on empty prefix caches:
   - affinity on: the agent's /v1/chat/completions turns carry `x-session-id` (so they stay on the
@@ -27,11 +27,11 @@ from typing import Any
 
 import httpx
 
-from compaction.history import ChatTokenizer
+from compaction.tokenizer import ChatTokenizer
+from jobs.bench.common import MODEL, local_service, replicas
 from jobs.data.conversations import LOCOMO_PATH, load_conversation, truncate_history
 from serving.tenants import client_headers
 
-MODEL = "smollm2-135m-instruct"
 COMPACTION = {"strategy": "parallel", "chunk_tokens": 512, "max_chunk_summary_tokens": 32, "reuse_chunks": False}
 
 
@@ -127,24 +127,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--turn-tokens", type=int, default=300)
     args = parser.parse_args(argv)
 
-    from ray import serve
-
     from compaction.tokenizer import HFChatTokenizer
-    from serving.local import APP_NAME, LocalService
     from serving.weights import fetch
 
     tokenizer = HFChatTokenizer.from_path(fetch())
     session = make_session(
         load_conversation(args.conversation), tokenizer, args.base_tokens, args.turns, args.turn_tokens
     )
-    two = {MODEL: {"min": 2, "max": 2, "initial": 2}}  # placement across replicas needs more than one
-    with LocalService(args.port, {"replicas": two}) as service:
-        coordinator = serve.get_deployment_handle("Coordinator", app_name=APP_NAME)
-
-        async def reset() -> None:
-            await coordinator.reset_prefix_cache.remote(MODEL)
-
-        results = asyncio.run(measure(service.url, session, reset))
+    with local_service(args.port, replicas(2)) as (service, reset):  # placement across replicas needs two
+        results = asyncio.run(measure(service.url, session, reset.cold))
     for label, stats in results.items():
         print(figure(label, stats))
     return 0

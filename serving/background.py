@@ -1,6 +1,6 @@
 """Compaction inside chat turns, on the coordinator: background snapshots per session, and each turn's outcome.
 
-A plain class (no Ray import) owned by the coordinator. The decisions are `compaction.policy`'s;
+A plain class (no Ray import) owned by the coordinator. The decisions are `compaction.turn_policy`'s;
 this module runs them: it starts a background compaction of a session's snapshot at background
 priority (its prompts yield to agent turns on the engines, `compaction.pacing`), keeps it (a
 bounded cache of sessions, found again through session affinity), and once it is done prefills the
@@ -31,14 +31,12 @@ from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
-
 from compaction.errors import BackendError, CompactionError, InvalidInput, NothingToCompact
-from compaction.history import ChatTokenizer, Message
+from compaction.history import Message
 from compaction.pacing import Priority
-from compaction.policy import (
+from compaction.tokenizer import ChatTokenizer
+from compaction.turn_policy import (
     Background,
-    ContextManagement,
     Snapshot,
     decide,
     message_digests,
@@ -46,60 +44,21 @@ from compaction.policy import (
     spliced,
     wants_background,
 )
-from serving.coordinator import CompactJob, Failure, ServiceResult, ServiceStats
-from serving.tenants import DEFAULT_TENANT
+from serving.coordinator import CompactJob, Failure, ServiceResult
+from serving.turns import WIRE_FIELD, ChatTurn, Status, TurnCompaction, Wire
 
-Status = Literal["applied", "running", "none"]
-Wire = Literal["chat", "responses", "messages"]
 DEFAULT_MAX_BYTES = 512 * 2**20  # per coordinator replica: background jobs and results kept for their sessions
-WIRE_FIELD = "session"  # the field a wire mismatch names; the ingress says where its session id came from
+
+
 # The coordinator's admission entry: (job, urgent) -> result; `urgent` set raises a background job's priority.
 CompactFn = Callable[[CompactJob, asyncio.Event], Coroutine[Any, Any, ServiceResult]]
+
+
 # Prefill a prompt on the session's replica at background priority: (model, messages, session, cache salt) -> tokens.
 WarmFn = Callable[[str, list[Message], str, str | None], Coroutine[Any, Any, int]]
+
+
 logger = logging.getLogger(__name__)
-
-
-class ChatTurn(BaseModel):
-    """One chat turn with context management, as the ingress hands it to the coordinator."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-    model: str
-    messages: list[Message] = Field(description="The request's messages, validated.")
-    entry: ContextManagement = Field(description="The request's compaction entry.")
-    session_id: str | None = Field(description="x-session-id; background compaction needs one.")
-    prompt_tokens: int = Field(description="Tokens of the request's rendered prompt, counted by the ingress.")
-    growth: int = Field(0, description="The most one turn of this session grew its prompt lately (tokens).")
-    idle_s: float | None = Field(
-        None, description="The session's mean time from a reply to its next turn lately (s); None: not measured."
-    )
-    room: int = Field(description="The most prompt tokens the model window takes beside the reply budget.")
-    wire: Wire = Field("chat", description="The API format of the turn; a session keeps the format it began with.")
-    tenant: str = Field(DEFAULT_TENANT, description="Whose turn: sessions and their runs are per tenant.")
-    cache_salt: str | None = Field(None, description="The tenant's prefix-cache salt on the engines (None: unsalted).")
-
-
-class TurnCompaction(BaseModel):
-    """The `compaction` object of a chat response."""
-
-    model_config = ConfigDict(frozen=True)
-    status: Status = Field(
-        description="applied: the turn was answered from messages + request.messages[replaces_through:]; "
-        "running: a background compaction of this session is under way (or done, waiting for the threshold); "
-        "none: the prompt was answered as sent."
-    )
-    messages: list[Message] | None = Field(
-        None, description="applied: the compacted head (kept system messages, carried and new summary)."
-    )
-    replaces_through: int | None = Field(
-        None, description="applied: the client continues from messages + history[replaces_through:]."
-    )
-    stall_s: float = Field(0.0, description="How long this turn waited for compaction.")
-    prompt_tokens: int = Field(description="Tokens of the prompt as sent.")
-    compacted_prompt_tokens: int | None = Field(None, description="applied: tokens of the prompt answered.")
-    source: Literal["background", "blocking"] | None = Field(None, description="applied: which compaction.")
-    note: str | None = Field(None, description="Why a compaction was not applied or fell back, when it matters.")
-    stats: ServiceStats | None = Field(None, description="applied: the compaction's stats (the last one if two).")
 
 
 @dataclass
@@ -155,7 +114,7 @@ class SessionCompactions:
         return self._runs.setdefault(turn.tenant, OrderedDict())
 
     async def turn(self, turn: ChatTurn, tokenizer: ChatTokenizer) -> TurnCompaction:
-        """Decide and do this turn's compaction (see compaction.policy). Raises only for the caller's own errors."""
+        """Decide and do this turn's compaction (compaction.turn_policy). Raises only for the caller's own errors."""
         began = time.perf_counter()
         self._check_wire(turn)
         digests = message_digests(turn.messages)

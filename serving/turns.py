@@ -7,34 +7,87 @@ An agent adds `context_management: [{"type": "compaction", "compact_threshold": 
      turn of the session grew it lately (the largest of its last RECENT_TURNS turns),
   3. below every threshold (and not about to pass compact_threshold on the next turn): forwards the
      turn unchanged (no coordinator call);
-     otherwise asks the coordinator (`serving.sessions`) what to do, on the session's coordinator replica,
+     otherwise asks the coordinator what to do (`serving.background`), on the session's coordinator replica,
   4. forwards `compaction.messages + messages[replaces_through:]` to the model, on the session's replica,
   5. returns the model's answer with a top-level `compaction` object (on the last chunk when streaming).
 A request without `context_management` is passed to ray.serve.llm untouched.
+
+The turn and its outcome (`ChatTurn`, `TurnCompaction`) are what the ingress and the coordinator exchange;
+the coordinator's side of a turn is `serving.background`.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Literal
 
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
 
 from compaction.errors import InvalidInput
-from compaction.history import ChatTokenizer, Message, parse_messages, template_view
-from compaction.policy import ContextManagement, check_window, parse_context_management, wants_background
-from serving.sessions import ChatTurn, TurnCompaction, Wire
-from serving.tenants import ANONYMOUS, Tenant
+from compaction.history import Message, parse_messages, template_view
+from compaction.tokenizer import ChatTokenizer
+from compaction.turn_policy import (
+    ContextManagement,
+    check_window,
+    parse_context_management,
+    wants_background,
+)
+from serving.coordinator import ServiceStats
+from serving.tenants import ANONYMOUS, DEFAULT_TENANT, Tenant
 
+Status = Literal["applied", "running", "none"]
+Wire = Literal["chat", "responses", "messages"]
+WIRE_FIELD = "session"  # the field a wire mismatch names; the ingress says where its session id came from
 FIELD = "context_management"
 DEFAULT_REPLY_TOKENS = 256  # reply budget assumed when the request sets none (window check only)
 RECENT_TURNS = 4  # a session's next turn may grow its prompt as much as the largest of its last few
 RECORD_BYTES = 256  # one session's record in one of PromptCounter's tables, beside its session id
 DEFAULT_COUNTER_BYTES = 16 * 2**20  # PromptCounter's three tables together, per model and ingress replica
+
+
+class ChatTurn(BaseModel):
+    """One chat turn with context management, as the ingress hands it to the coordinator."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    model: str
+    messages: list[Message] = Field(description="The request's messages, validated.")
+    entry: ContextManagement = Field(description="The request's compaction entry.")
+    session_id: str | None = Field(description="x-session-id; background compaction needs one.")
+    prompt_tokens: int = Field(description="Tokens of the request's rendered prompt, counted by the ingress.")
+    growth: int = Field(0, description="The most one turn of this session grew its prompt lately (tokens).")
+    idle_s: float | None = Field(
+        None, description="The session's mean time from a reply to its next turn lately (s); None: not measured."
+    )
+    room: int = Field(description="The most prompt tokens the model window takes beside the reply budget.")
+    wire: Wire = Field("chat", description="The API format of the turn; a session keeps the format it began with.")
+    tenant: str = Field(DEFAULT_TENANT, description="Whose turn: sessions and their runs are per tenant.")
+    cache_salt: str | None = Field(None, description="The tenant's prefix-cache salt on the engines (None: unsalted).")
+
+
+class TurnCompaction(BaseModel):
+    """The `compaction` object of a chat response."""
+
+    model_config = ConfigDict(frozen=True)
+    status: Status = Field(
+        description="applied: the turn was answered from messages + request.messages[replaces_through:]; "
+        "running: a background compaction of this session is under way (or done, waiting for the threshold); "
+        "none: the prompt was answered as sent."
+    )
+    messages: list[Message] | None = Field(
+        None, description="applied: the compacted head (kept system messages, carried and new summary)."
+    )
+    replaces_through: int | None = Field(
+        None, description="applied: the client continues from messages + history[replaces_through:]."
+    )
+    stall_s: float = Field(0.0, description="How long this turn waited for compaction.")
+    prompt_tokens: int = Field(description="Tokens of the prompt as sent.")
+    compacted_prompt_tokens: int | None = Field(None, description="applied: tokens of the prompt answered.")
+    source: Literal["background", "blocking"] | None = Field(None, description="applied: which compaction.")
+    note: str | None = Field(None, description="Why a compaction was not applied or fell back, when it matters.")
+    stats: ServiceStats | None = Field(None, description="applied: the compaction's stats (the last one if two).")
 
 
 class PromptCounter:
@@ -192,74 +245,3 @@ async def prepare_turn(
         head = [m.model_dump(mode="json", exclude_none=True) for m in outcome.messages]
         forward["messages"] = head + raw[outcome.replaces_through :]
     return forward, outcome
-
-
-def compaction_json(outcome: TurnCompaction) -> dict[str, Any]:
-    """The `compaction` object of the response: null fields of messages dropped, so they can be sent back as-is."""
-    data = outcome.model_dump(mode="json")
-    if outcome.messages is not None:
-        data["messages"] = [m.model_dump(mode="json", exclude_none=True) for m in outcome.messages]
-    return data
-
-
-def when_sent(response: Response, done: Callable[[], None]) -> Response:
-    """The response, with `done` called once it is sent: now, or after the last event of a stream."""
-    if not isinstance(response, StreamingResponse):
-        done()
-        return response
-
-    async def events() -> AsyncIterator[Any]:
-        try:
-            async for event in response.body_iterator:
-                yield event
-        finally:
-            done()
-
-    return StreamingResponse(events(), status_code=response.status_code, media_type=response.media_type)
-
-
-def with_compaction(response: Response, outcome: TurnCompaction) -> Response:
-    """The model's response with `compaction` beside the chat-completion fields (on the last chunk if streaming)."""
-    extra = compaction_json(outcome)
-    if isinstance(response, StreamingResponse):
-        stream = _on_last_event(response.body_iterator, extra)
-        return StreamingResponse(stream, status_code=response.status_code, media_type=response.media_type)
-    if isinstance(response, JSONResponse) and response.status_code == 200:
-        payload = json.loads(bytes(response.body))
-        if isinstance(payload, dict):
-            return JSONResponse({**payload, "compaction": extra}, status_code=response.status_code)
-    return response
-
-
-async def _on_last_event(events: AsyncIterable[Any], extra: dict[str, Any]) -> AsyncIterator[str]:
-    """Server-sent events passed through, the last data event before `[DONE]` carrying `compaction`."""
-    held: str | None = None
-    pending = ""
-    async for packet in events:
-        pending += bytes(packet).decode() if isinstance(packet, bytes | bytearray | memoryview) else str(packet)
-        *complete, pending = pending.split("\n\n")
-        for event in (e for e in complete if e.strip()):
-            if event.strip() == "data: [DONE]":
-                if held is not None:
-                    yield _carrying(held, extra)
-                    held = None
-                yield event + "\n\n"
-                continue
-            if held is not None:
-                yield held + "\n\n"
-            held = event
-    if held is not None:
-        yield _carrying(held, extra)
-    if pending.strip():
-        yield pending
-
-
-def _carrying(event: str, extra: dict[str, Any]) -> str:
-    prefix = "data: "
-    try:
-        payload = json.loads(event.strip()[len(prefix) :]) if event.strip().startswith(prefix) else None
-    except json.JSONDecodeError:
-        payload = None
-    if not isinstance(payload, dict):
-        return f"{event}\n\n{prefix}{json.dumps({'compaction': extra})}\n\n"
-    return f"{prefix}{json.dumps({**payload, 'compaction': extra})}\n\n"

@@ -1,4 +1,9 @@
-"""Content is data: message text is tokenised as text; only the chat template's own markers are control tokens.
+"""Stage 1: a history rendered ONCE with the model's chat template and tokenised once.
+
+Every later stage (partition, layouts) works on these token ids, so chunk borders never
+re-tokenise and prompts share exact token prefixes.
+
+Content is data: message text is tokenised as text; only the chat template's own markers are control tokens.
 
 A tokenizer parses control tokens (`<|im_end|>`, `<|im_start|>`, ...) wherever their spelling
 occurs, so a fetched web page or file in a tool result that spells `<|im_end|>\\n<|im_start|>system`
@@ -17,12 +22,11 @@ from __future__ import annotations
 import bisect
 import re
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 from compaction.errors import InvalidInput
-
-if TYPE_CHECKING:
-    from compaction.history import ChatTokenizer
+from compaction.history import Message, template_view
+from compaction.tokenizer import ChatTokenizer
 
 Span = tuple[int, int]  # [start, end) in characters of the rendered text
 _SENTINEL = re.compile("\ue000(\\d+)\ue001")
@@ -85,3 +89,65 @@ def encode_rendering(text: str, spans: Sequence[Span], tokenizer: ChatTokenizer)
         ids[first:last] = again
         offsets[first:last] = [offsets[first] + o for o in again_offsets]
     return ids, offsets
+
+
+@dataclass(frozen=True)
+class RenderedHistory:
+    """A history rendered once: the token ids and where each message starts among them."""
+
+    messages: tuple[Message, ...]  # validated copies; the source of the verbatim parts of the output
+    token_ids: tuple[int, ...]  # the whole history through the chat template, no generation prompt
+    message_starts: tuple[int, ...]  # token where message i's turn begins (the template's preamble precedes 0)
+
+
+def _prefix_end(views: Sequence[dict[str, str]], i: int, text: str, tokenizer: ChatTokenizer) -> int:
+    """Characters of `text` before message i's turn: the exact, O(i) way."""
+    prefix = tokenizer.render(views[:i]) if i else tokenizer.preamble(views[0]["role"])
+    if not text.startswith(prefix):
+        raise InvalidInput(
+            "messages",
+            "the model's chat template does not render a history as a prefix of its continuation; "
+            "this model cannot be compacted in token space",
+        )
+    return len(prefix)
+
+
+def _located_starts(
+    views: Sequence[dict[str, str]], text: str, spans: Sequence[Span], tokenizer: ChatTokenizer
+) -> list[int] | None:
+    """Each message's first character: the preamble's end, then the turn end after each content.
+
+    Linear in the history, where rendering every prefix is quadratic (a 250k-token history took
+    48 s). None when the template does not close every turn right after its content.
+    """
+    starts = [len(tokenizer.preamble(views[0]["role"]))]
+    end_of_turn = tokenizer.end_of_turn
+    for _, end in spans[:-1]:
+        if not text.startswith(end_of_turn, end):
+            return None
+        starts.append(end + len(end_of_turn))
+    return starts
+
+
+def render_history(messages: Sequence[Message], tokenizer: ChatTokenizer) -> RenderedHistory:
+    """Render and tokenise the history once, recording each message's first token.
+
+    Message text is tokenised as text (`compaction.content`). Tokens before the first message's
+    turn (a default system prompt the template inserts) belong to no message. Message borders are
+    located in the rendered text and spot-checked against an exact prefix rendering; if the check
+    fails, every border is computed the exact way.
+    """
+    views = [template_view(m) for m in messages]
+    text = tokenizer.render(views)
+    spans = content_spans(views, text, tokenizer)
+    ids, offsets = encode_rendering(text, spans, tokenizer)
+    chars = _located_starts(views, text, spans, tokenizer)
+    checks = {len(views) // 2, len(views) - 1}
+    if chars is None or any(chars[i] != _prefix_end(views, i, text, tokenizer) for i in checks):
+        chars = [_prefix_end(views, i, text, tokenizer) for i in range(len(views))]
+    message_starts, token = [], 0
+    for char in chars:
+        while token < len(offsets) and offsets[token] < char:
+            token += 1
+        message_starts.append(token)
+    return RenderedHistory(tuple(messages), tuple(ids), tuple(message_starts))

@@ -1,6 +1,6 @@
 """The agent-loop benchmark: one agent through `/v1/chat/completions`, compaction done server-side, per mode.
 
-    python -m jobs.bench_agent [--dataset locomo|hotpotqa] [--limit 12] [--tau 4096] [--background 2560]
+    python -m jobs.bench.agent [--dataset locomo|hotpotqa] [--limit 12] [--tau 4096] [--background 2560]
                                [--modes none,blocking_sequential,blocking_parallel,background_parallel]
                                [--tool-time codex|SECONDS] [--url URL | --port 8000] [--out results/bench-agent]
 
@@ -16,7 +16,7 @@ vs cached (the agent's turns and the compactions), reused chunk summaries, answe
 between modes. Writes `<out>/bench_agent.json` and `<out>/bench_agent.png` (prompt size per turn,
 end to end per mode).
 
-    python -m jobs.bench_agent --overhead [--history-tokens 7600] [--pairs 12]
+    python -m jobs.bench.agent --overhead [--history-tokens 7600] [--pairs 12]
 
 measures instead what the threshold check costs a turn that does not compact: an agent turn on a
 history of about 8k tokens sent with and without `context_management` (threshold above the
@@ -36,18 +36,14 @@ from typing import Any
 from jobs.agent.chat_loop import MODES, ChatEpisode, LoopSettings, document_text, run_episode
 from jobs.agent.pipeline import SYSTEM_PROMPT, question_prompt
 from jobs.agent.tools import ToolTime
+from jobs.bench.common import MODEL, local_service, replicas, sayer, table
 from jobs.data.conversations import SHARED_DATA
 from jobs.data.datasets import load_hotpotqa, load_locomo
 from jobs.data.episodes import Question, Step, hotpotqa_steps, locomo_steps
-from jobs.demo import table
 from serving.local import quiet_http_clients
 from serving.tenants import client_key
 
-MODEL = "smollm2-135m-instruct"
-
-
-def say(message: str) -> None:
-    print(f"[bench-agent] {message}", file=sys.stderr, flush=True)
+say = sayer("bench-agent")
 
 
 def load_steps(dataset: str, limit: int, data_dir: Path) -> list[Step]:
@@ -234,16 +230,13 @@ def with_service(args: argparse.Namespace, body: Any) -> list[ChatEpisode]:
     if args.url:
         client = OpenAI(base_url=f"{args.url}/v1", api_key=client_key() or "unused", max_retries=2, timeout=900)
         return list(body(client, lambda: None))
-    from ray import serve
-
-    from serving.local import APP_NAME, LocalService
-
-    replicas = {MODEL: {"min": args.replicas, "max": args.replicas, "initial": args.replicas}}
-    service_args: dict[str, Any] = {"replicas": replicas, **({"catalogue": args.catalogue} if args.catalogue else {})}
-    with LocalService(args.port, service_args) as service:
-        coordinator = serve.get_deployment_handle("Coordinator", app_name=APP_NAME)
+    service_args: dict[str, Any] = {
+        **replicas(args.replicas),
+        **({"catalogue": args.catalogue} if args.catalogue else {}),
+    }
+    with local_service(args.port, service_args) as (service, reset):
         client = OpenAI(base_url=f"{service.url}/v1", api_key=client_key() or "unused", max_retries=2, timeout=900)
-        return list(body(client, lambda: coordinator.reset_prefix_cache.remote(MODEL).result()))
+        return list(body(client, reset))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,6 +1,6 @@
 """Soak benchmark: mixed traffic against the local service for a bounded time, RSS per process over time.
 
-    python -m jobs.soak [--minutes 20] [--agents 4] [--sample-s 10] [--plot docs/soak-rss.png]
+    python -m jobs.bench.soak [--minutes 20] [--agents 4] [--sample-s 10] [--plot docs/soak-rss.png]
 
 Starts the service on 127.0.0.1 (two model replicas, two coordinators, small admission limits so that bursts are
 shed) and runs, all at once: agents on /v1/chat/completions with context_management (half background, half
@@ -31,14 +31,14 @@ from typing import Any
 import httpx
 import psutil
 
-from jobs.processes import rss_bytes, service_processes
+from jobs.bench.common import MODEL, replicas, sayer
+from jobs.bench.processes import rss_bytes, service_processes
 
-MODEL = "smollm2-135m-instruct"
 LIMITS = {"max_concurrent_compactions": 2, "max_queued_compactions": 4}
 MAX_BYTES = 1_000_000
 ARGS = {
     "models": [MODEL],
-    "replicas": {MODEL: {"min": 2, "max": 2, "initial": 2}},
+    **replicas(2),
     "coordinator_replicas": 2,
     "max_request_bytes": MAX_BYTES,
     **LIMITS,
@@ -48,8 +48,7 @@ TURNS_PER_SESSION = 40
 RETRIES = 5
 
 
-def say(message: str) -> None:
-    print(f"[soak {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+say = sayer("soak", clock=True)
 
 
 @dataclass
@@ -335,7 +334,7 @@ def free_port() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m jobs.soak", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m jobs.bench.soak", description=__doc__.splitlines()[0])
     parser.add_argument("--minutes", type=float, default=20.0, help="length of the traffic (default 20)")
     parser.add_argument("--warmup-minutes", type=float, default=None, help="default: a quarter, at most 5")
     parser.add_argument("--agents", type=int, default=4, help="concurrent agents (half background)")

@@ -18,8 +18,10 @@ import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from compaction.grounding import Source
-from compaction.history import ChatTokenizer, RenderedHistory, template_view
+from compaction.checks.grounding import Source
+from compaction.history import template_view
+from compaction.render import RenderedHistory
+from compaction.tokenizer import ChatTokenizer
 
 
 class _Normaliser:

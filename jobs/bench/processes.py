@@ -2,7 +2,7 @@
 
 Ray names its worker processes after the actor they host (`ray::ServeReplica:<app>:<deployment>`); a vLLM engine
 runs in processes titled `VLLM::...`; every worker is a descendant of its node's raylet, whose command line carries
-`--node_id`. Used by the node-loss test (which node to kill, what went with it) and jobs/soak.py (RSS per process
+`--node_id`. Used by the node-loss test (which node to kill, what went with it) and jobs/bench/soak.py (RSS per process
 over time).
 """
 

@@ -1,6 +1,6 @@
 """Prefill and latency of every (strategy, layout) pair on the real CPU engine.
 
-    python -m jobs.bench_compaction --history-tokens 4096 --chunk-tokens 512 \
+    python -m jobs.bench.compaction --history-tokens 4096 --chunk-tokens 512 \
         --json results/bench.json [--matched-decode]
 
 Loads the CPU default model once, builds a history of about `--history-tokens` tokens from a
@@ -26,12 +26,10 @@ from compaction.history import parse_messages, template_view
 from compaction.options import LAYOUTS
 from compaction.result import CompactionStats
 from compaction.tokenizer import HFChatTokenizer
+from jobs.bench.common import sayer, table
 from jobs.data.conversations import LOCOMO_PATH, load_conversation, truncate_history
-from jobs.demo import table
 
-
-def say(message: str) -> None:
-    print(f"[bench] {message}", file=sys.stderr, flush=True)
+say = sayer("bench")
 
 
 COLUMNS = [

@@ -1,6 +1,6 @@
 """A coding-agent history beyond the model window, compacted over HTTP with the default options.
 
-    python -m jobs.bench_history [--seed 0] [--tokens 20000] [--replicas 1] [--port N] [--timeout-s 3600] [--json PATH]
+    python -m jobs.bench.history [--seed 0] [--tokens 20000] [--replicas 1] [--port N] [--timeout-s 3600] [--json PATH]
 
 Starts the service on the CPU default (SmolLM2-135M, 8k window), generates a coding-agent session
 of about `--tokens` tokens (`jobs.data.traces`: tool calls, tool results, five planted facts),
@@ -26,15 +26,13 @@ from typing import Any
 
 import httpx
 
+from compaction.checks.validity import problems
 from compaction.history import parse_messages, template_view
-from compaction.validity import problems
+from jobs.bench.common import MODEL, local_service, replicas, sayer, table
 from jobs.data.traces import CodingTrace, coding_trace
-from jobs.demo import MODEL, table
 from serving.local import quiet_http_clients
 
-
-def say(message: str) -> None:
-    print(f"[bench-history] {message}", file=sys.stderr, flush=True)
+say = sayer("bench-history")
 
 
 def recalled(trace: CodingTrace, messages: list[dict[str, Any]]) -> list[str]:
@@ -86,21 +84,18 @@ def waiting(request: Callable[[], httpx.Response], every_s: float = 60) -> httpx
 
 
 def run(args: argparse.Namespace) -> int:
-    from ray import serve
-
     from compaction.tokenizer import HFChatTokenizer
-    from serving.local import APP_NAME, LocalService
     from serving.weights import fetch
 
     trace = coding_trace(args.seed, args.tokens, HFChatTokenizer.from_path(fetch()))
     say(f"coding-agent session: seed {args.seed}, {len(trace.messages)} messages, about {args.tokens} tokens")
-    service_args = {
-        "replicas": {MODEL: {"min": args.replicas, "max": args.replicas, "initial": args.replicas}},
-        "compaction_timeout_s": args.timeout_s,
-    }
+    service_args = {**replicas(args.replicas), "compaction_timeout_s": args.timeout_s}
     port, wait_s = args.port or free_port(), args.timeout_s + 60
-    with LocalService(port, service_args) as service, httpx.Client(base_url=service.url, timeout=wait_s) as client:
-        serve.get_deployment_handle("Coordinator", app_name=APP_NAME).reset_prefix_cache.remote(MODEL).result()
+    with (
+        local_service(port, service_args) as (service, reset),
+        httpx.Client(base_url=service.url, timeout=wait_s) as client,
+    ):
+        reset()
         say("POST /v1/compact with the default options (fresh prefix caches; about 10 min on 2 quiet cores)")
         response = waiting(lambda: client.post("/v1/compact", json={"model": MODEL, "messages": trace.messages}))
         if response.status_code != 200:
@@ -126,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m jobs.bench_history", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m jobs.bench.history", description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=0, help="Which generated session")
     parser.add_argument("--tokens", type=int, default=20_000, help="About this many tokens of history")
     parser.add_argument("--replicas", type=int, default=1, choices=range(1, 9), metavar="1..8")

@@ -1,0 +1,300 @@
+"""Stage 6: the chunk summaries merged, in chunk order, into the compacted head.
+
+The head is the kept system messages, the carried summaries of earlier compactions, then one user
+message: the summary header, each chunk's summary with its pinned lines, and the user's own words.
+
+Pinned facts: beside the model's summary of each chunk, the most salient lines of the chunk, word for word.
+
+A chunk's budget is split (`pinned_share`): the model writes its summary within the rest, and what
+the summaries leave of their chunks' budgets is pooled for pinned lines, so a chunk dense in facts
+(a failing run, the decision) may use room a quiet chunk left. The lines are the extractive
+ranking's best (the user's constraints, errors and stack-trace heads, paths, commands, decisions,
+numbers), chosen over the whole span, each written after its own chunk's summary. A line whose
+facts a summary or the kept user words already state is not pinned, and a summary sentence whose
+facts a pinned line states is dropped: no fact is stated twice. Pinned lines are copied from the
+history (less a tool call's id tag), so they are grounded by construction; the summaries keep
+their own grounding check. No model call: pinning is cheap, done at merge time over the span of
+each compaction, so the chunk-summary cache holds the model summaries and the lines are chosen anew.
+
+The user's words: what a compaction must never paraphrase away.
+
+Of the compacted span's user messages (never tool results, never the summaries of earlier
+compactions), the newest are kept while together they fit a token budget; a message that does
+not fit is left to the summary and older ones are still tried. Repeats are kept once, and the
+kept ones are written in their original order under a header, in the compacted head. Codex CLI
+keeps the user's recent messages the same way (up to 20,000 tokens of a 272k window); the
+default budget is the same share of the model's window.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+from compaction.checks.grounding import Source, salient_tokens
+from compaction.checks.quality import drop_seen
+from compaction.checks.validity import check_output
+from compaction.extractive import CALL_TAG, Line, Segment, candidate_lines, segments, weights
+from compaction.history import Message, template_view
+from compaction.options import CompactionOptions
+from compaction.plan import SUMMARY_HEADER, CompactionPlan, is_summary
+from compaction.result import ChunkStats, CompactionResult, CompactionStats
+from compaction.tokenizer import ChatTokenizer
+
+_CLOSED = ("kept_verbatim", "extractive_fallback")  # fallback texts: no lines are pinned beside them
+
+
+_SENTENCE = re.compile(r"(?<=[.!?])\s+")
+MAX_CANDIDATES = 200  # the best lines are costed exactly (one tokenizer call each); the rest are never reached
+
+
+@dataclass(frozen=True)
+class ChunkText:
+    """One chunk's part of the merge: its kept summary, its segments, and whether lines may be pinned to it."""
+
+    summary: str
+    parts: Sequence[Segment]
+    tokens: int  # history tokens of the chunk
+    open: bool  # False for a fallback text (the chunk verbatim or extractive): nothing is pinned to it
+
+
+@dataclass(frozen=True)
+class Pinned:
+    """A chunk's text after pinning: its summary (less sentences a pinned line states) and its pinned lines."""
+
+    text: str
+    lines: int
+    dropped_sentences: int
+
+
+_WORD = re.compile(r"[a-z0-9_][\w./:-]*")
+NEW_WORDS = 0.25  # a line adds a fact when over a quarter of its words are not stated yet
+
+
+def _key(text: str) -> str:
+    return " ".join(text.lower().split())
+
+
+def _words(text: str) -> set[str]:
+    return {w.strip(".:-/") for w in _WORD.findall(text.lower()) if len(w) > 2}
+
+
+def _repeats(line: Line, stated: Source, words: set[str]) -> bool:
+    """Everything the line names is stated already (its salient tokens, and all but a quarter of its words)."""
+    mine = _words(line.text)
+    if any(not stated.contains(t) for t in salient_tokens(line.text)):
+        return False
+    return not mine or len(mine - words) <= NEW_WORDS * len(mine)
+
+
+def _dedupe(summary: str, pinned: Source) -> tuple[str, int]:
+    """The summary without the sentences whose salient tokens the pinned lines all state."""
+    kept, dropped = [], 0
+    for sentence in (s for line in summary.splitlines() for s in _SENTENCE.split(line) if s.strip()):
+        tokens = salient_tokens(sentence)
+        if tokens and all(pinned.contains(t) for t in tokens):
+            dropped += 1
+        else:
+            kept.append(sentence.strip())
+    return " ".join(kept), dropped
+
+
+def _candidates(chunks: Sequence[ChunkText], stated: Source, said: str) -> list[tuple[int, Line]]:
+    """(chunk, line) for every distinct line of the open chunks not stated yet, call tags removed."""
+    seen: set[str] = set()
+    out: list[tuple[int, Line]] = []
+    span = weights([part for chunk in chunks if chunk.open for part in chunk.parts])
+    words = _words(said)
+    for k, chunk in enumerate(chunks):
+        if not chunk.open:
+            continue
+        for line in candidate_lines(chunk.parts, span):
+            line = replace(line, text=CALL_TAG.sub("", line.text).strip())
+            stated_already = _key(line.text) in said or _repeats(line, stated, words)
+            if line.score > 0 and _key(line.text) not in seen and not stated_already:
+                seen.add(_key(line.text))
+                out.append((k, line))
+    return out
+
+
+def _render(lines: Sequence[Line]) -> str:
+    return "\n".join(f"{line.label}: {line.text}" for line in sorted(lines, key=lambda x: x.position))
+
+
+def pin(chunks: Sequence[ChunkText], tokenizer: ChatTokenizer, budget: int, elsewhere: str = "") -> list[Pinned]:
+    """Each chunk's summary with its pinned lines, within `budget` tokens per chunk, pooled over the chunks.
+
+    `elsewhere`: text the compacted head states anyway (the kept user words).
+    """
+    sizes = [len(tokenizer.encode(c.summary)) + 1 if c.summary else 0 for c in chunks]
+    room = sum(budget - size for c, size in zip(chunks, sizes, strict=True) if c.open)
+    texts = [c.summary for c in chunks]
+    said = _key(" ".join([*texts, elsewhere]))
+    ranked = sorted(_candidates(chunks, Source(*texts, elsewhere), said), key=lambda kl: (-kl[1].score, kl[0]))
+    kept: list[tuple[int, Line]] = []
+    used = 0
+    covered, words = Source(), set[str]()
+    for k, line in ranked[:MAX_CANDIDATES]:
+        if _repeats(line, covered, words):
+            continue  # what it says, a line kept already says
+        cost = len(tokenizer.encode(f"{line.label}: {line.text}")) + 1  # + its line break
+        if used + cost <= room:
+            kept.append((k, line))
+            covered, words = Source(covered.text, line.text), words | _words(line.text)
+            used += cost
+    out = []
+    for k, chunk in enumerate(chunks):
+        mine = [line for at, line in kept if at == k]
+        if not mine:
+            out.append(Pinned(chunk.summary, 0, 0))
+            continue
+        lines = _render(mine)
+        summary, dropped = _dedupe(chunk.summary, Source(lines))
+        out.append(Pinned(f"{summary}\n{lines}" if summary else lines, len(mine), dropped))
+    return out
+
+
+USER_WORDS_HEADER = "The user's words, verbatim:"
+WINDOW_SHARE = 0.075  # Codex: 20,000 tokens of a 272,000-token window
+
+
+def user_words_budget(options: CompactionOptions, context_window: int) -> int:
+    """The user-words budget: the option, or its share of the model window."""
+    if options.user_words_tokens is not None:
+        return options.user_words_tokens
+    return int(context_window * WINDOW_SHARE)
+
+
+@dataclass(frozen=True)
+class UserWords:
+    """The user messages kept verbatim, in their original order, and how many were not."""
+
+    texts: tuple[str, ...]  # kept, oldest first
+    total: int  # distinct user messages in the span
+    tokens: int  # tokens of the kept texts (each tokenised alone)
+
+    @property
+    def dropped(self) -> int:
+        return self.total - len(self.texts)
+
+    def render(self) -> str:
+        """The block written after the summary in the compacted head; empty when nothing is kept."""
+        if not self.texts:
+            return ""
+        return "\n".join([USER_WORDS_HEADER, *(f"- {t}" for t in self.texts)])
+
+
+def keep_user_words(
+    messages: Sequence[Message], tokenizer: ChatTokenizer, limit: int, skip: Callable[[Message], bool]
+) -> UserWords:
+    """The newest distinct user messages of `messages` within `limit` tokens (`skip`: earlier summaries)."""
+    seen: set[str] = set()
+    distinct: list[str] = []
+    for message in messages:
+        text = message.text().strip()
+        key = " ".join(text.lower().split())
+        if message.role == "user" and key and key not in seen and not skip(message):
+            seen.add(key)
+            distinct.append(text)
+    kept: list[str] = []
+    used = 0
+    for text in reversed(distinct):
+        if limit <= used:
+            break
+        cost = len(tokenizer.encode(text)) + 2  # the "- " and the line break
+        if used + cost <= limit:
+            kept.append(text)
+            used += cost
+    return UserWords(tuple(reversed(kept)), len(distinct), used)
+
+
+def user_words(plan: CompactionPlan, tokenizer: ChatTokenizer, context_window: int) -> UserWords:
+    """The user's messages of the compacted span kept verbatim in the compacted head (`user_words_tokens`)."""
+    span = plan.history.messages[plan.kept_head : plan.kept_tail_from]
+    return keep_user_words(span, tokenizer, user_words_budget(plan.options, context_window), is_summary)
+
+
+def _pinned(
+    plan: CompactionPlan, per_chunk: list[tuple[ChunkStats, str]], words: str, tokenizer: ChatTokenizer
+) -> list[tuple[ChunkStats, str]]:
+    """Each chunk's summary with its pinned lines (`pinned_share`; `words`: the kept user words)."""
+    opts = plan.options
+    if opts.pinned_share == 0 or opts.strategy == "extractive":
+        return per_chunk
+    texts = [
+        ChunkText(text, segments(plan.history, tokenizer, c.start, c.end), c.size, s.status not in _CLOSED)
+        for c, (s, text) in zip(plan.chunks, per_chunk, strict=True)
+    ]
+    pinned = pin(texts, tokenizer, opts.max_chunk_summary_tokens, words)
+    return [
+        (s.model_copy(update={
+            "pinned_lines": p.lines,
+            "summary_tokens": len(tokenizer.encode(p.text)),
+            "dropped_sentences": s.dropped_sentences + p.dropped_sentences,
+        }), p.text)
+        for (s, _), p in zip(per_chunk, pinned, strict=True)
+    ]  # fmt: skip
+
+
+def merge(
+    plan: CompactionPlan,
+    per_chunk: list[tuple[ChunkStats, str]],
+    latency: float,
+    tokenizer: ChatTokenizer,
+    context_window: int,
+) -> CompactionResult:
+    """The compacted history and its stats: kept head, one summary message, the recent turns verbatim."""
+    words = user_words(plan, tokenizer, context_window)
+    per_chunk = _pinned(plan, per_chunk, "\n".join(words.texts), tokenizer)
+    stats = [s for s, _ in per_chunk]
+    seen: list[tuple[str, ...]] = []  # no sentence of the summary repeats another, across chunks too
+    texts = [drop_seen(text, seen) for _, text in per_chunk]
+    summary = "\n\n".join(text for text in texts if text)
+    head = "\n\n".join(part for part in (f"{SUMMARY_HEADER}\n{summary}", words.render()) if part)
+    messages = [
+        *plan.history.messages[: plan.kept_head],
+        Message(role="user", content=head),
+        *plan.history.messages[plan.kept_tail_from :],
+    ]
+    check_output(messages)
+    compacted = len(tokenizer.encode(tokenizer.render([template_view(m) for m in messages])))
+    opts = plan.options
+    return CompactionResult(
+        messages=messages,
+        summary=summary,
+        kept_head=plan.kept_head,
+        replaces_through=plan.kept_tail_from,
+        stats=CompactionStats(
+            strategy=opts.strategy,
+            layout=opts.layout if opts.strategy == "parallel" else opts.strategy,
+            variant=opts.variant,
+            history_tokens=len(plan.history.token_ids),
+            input_tokens=plan.span[1] - plan.span[0],
+            chunks=len(stats),
+            prompt_tokens=sum(s.prompt_tokens for s in stats),
+            cached_prompt_tokens=sum(s.cached_prompt_tokens for s in stats),
+            computed_prefill_tokens=sum(s.computed_prefill_tokens for s in stats),
+            prefill_floor_tokens=plan.prefill_floor_tokens,
+            windows=plan.windows,
+            output_tokens=sum(s.output_tokens for s in stats),
+            summary_tokens=len(tokenizer.encode(summary)),
+            compacted_tokens=compacted,
+            latency_s=latency,
+            retries=sum(s.retries for s in stats),
+            failovers=sum(s.failovers for s in stats),
+            reused_chunks=sum(s.reused for s in stats),
+            carried_summary_tokens=plan.carried_tokens,
+            user_words_kept=len(words.texts),
+            user_words_dropped=words.dropped,
+            user_words_tokens=len(tokenizer.encode(words.render())) if words.texts else 0,
+            empty_or_runaway_chunks=[s.index for s in stats if s.first_verdict not in (None, "ok")],
+            grounding_threshold=opts.grounding_threshold if opts.strategy != "extractive" else 0.0,
+            ungrounded_chunks=[
+                s.index for s in stats if s.first_grounding is not None and s.first_grounding < opts.grounding_threshold
+            ],
+            extractive_fallback_chunks=[s.index for s in stats if s.status == "extractive_fallback"],
+            replicas=[s.replica for s in stats],
+            per_chunk=stats,
+        ),
+    )

@@ -1,0 +1,68 @@
+"""What every job shares: its own progress lines, a text table, the CPU default model's name, and the local
+service started with its replicas and a way to empty their prefix caches (each measured run starts cold)."""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from serving.models import DEFAULT_MODEL
+
+if TYPE_CHECKING:
+    from serving.local import LocalService
+
+MODEL = DEFAULT_MODEL
+
+
+def sayer(name: str, clock: bool = False) -> Callable[[str], None]:
+    """A job's progress printer: `[name] message` on stderr (`clock`: with the time of day)."""
+
+    def say(message: str) -> None:
+        stamp = f" {time.strftime('%H:%M:%S')}" if clock else ""
+        print(f"[{name}{stamp}] {message}", file=sys.stderr, flush=True)
+
+    return say
+
+
+def table(rows: list[dict[str, Any]], columns: list[str]) -> str:
+    """A plain fixed-width text table."""
+    cells = [[f"{r[c]:.2f}" if isinstance(r[c], float) else str(r[c]) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(columns, widths, strict=True))]
+    lines += ["  ".join(v.rjust(w) for v, w in zip(row, widths, strict=True)) for row in cells]
+    return "\n".join(lines)
+
+
+def replicas(count: int, model: str = MODEL) -> dict[str, Any]:
+    """The service args that run exactly `count` replicas of `model`."""
+    return {"replicas": {model: {"min": count, "max": count, "initial": count}}}
+
+
+@dataclass(frozen=True)
+class CacheReset:
+    """Empties the prefix cache of every replica of a model, through the coordinator (a run starts cold)."""
+
+    coordinator: Any  # the Coordinator deployment's handle
+    model: str = MODEL
+
+    def __call__(self) -> None:
+        self.coordinator.reset_prefix_cache.remote(self.model).result()
+
+    async def cold(self) -> None:
+        """The same from inside an event loop."""
+        await self.coordinator.reset_prefix_cache.remote(self.model)
+
+
+@contextmanager
+def local_service(port: int, args: dict[str, Any], quiet: bool = True) -> Iterator[tuple[LocalService, CacheReset]]:
+    """The service on this machine (stopped on exit) and its cache reset."""
+    from ray import serve
+
+    from serving.local import APP_NAME, LocalService
+
+    with LocalService(port, args, quiet=quiet) as service:
+        yield service, CacheReset(serve.get_deployment_handle("Coordinator", app_name=APP_NAME))

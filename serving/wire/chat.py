@@ -1,0 +1,84 @@
+"""The chat completions wire format's side of compaction: the turn's outcome as a top-level `compaction` object
+beside the chat-completion fields (on the last data event when streamed), its messages sendable back as they are.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterable, AsyncIterator, Callable
+from typing import Any
+
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from serving.turns import TurnCompaction
+
+
+def compaction_json(outcome: TurnCompaction) -> dict[str, Any]:
+    """The `compaction` object of the response: null fields of messages dropped, so they can be sent back as-is."""
+    data = outcome.model_dump(mode="json")
+    if outcome.messages is not None:
+        data["messages"] = [m.model_dump(mode="json", exclude_none=True) for m in outcome.messages]
+    return data
+
+
+def when_sent(response: Response, done: Callable[[], None]) -> Response:
+    """The response, with `done` called once it is sent: now, or after the last event of a stream."""
+    if not isinstance(response, StreamingResponse):
+        done()
+        return response
+
+    async def events() -> AsyncIterator[Any]:
+        try:
+            async for event in response.body_iterator:
+                yield event
+        finally:
+            done()
+
+    return StreamingResponse(events(), status_code=response.status_code, media_type=response.media_type)
+
+
+def with_compaction(response: Response, outcome: TurnCompaction) -> Response:
+    """The model's response with `compaction` beside the chat-completion fields (on the last chunk if streaming)."""
+    extra = compaction_json(outcome)
+    if isinstance(response, StreamingResponse):
+        stream = _on_last_event(response.body_iterator, extra)
+        return StreamingResponse(stream, status_code=response.status_code, media_type=response.media_type)
+    if isinstance(response, JSONResponse) and response.status_code == 200:
+        payload = json.loads(bytes(response.body))
+        if isinstance(payload, dict):
+            return JSONResponse({**payload, "compaction": extra}, status_code=response.status_code)
+    return response
+
+
+async def _on_last_event(events: AsyncIterable[Any], extra: dict[str, Any]) -> AsyncIterator[str]:
+    """Server-sent events passed through, the last data event before `[DONE]` carrying `compaction`."""
+    held: str | None = None
+    pending = ""
+    async for packet in events:
+        pending += bytes(packet).decode() if isinstance(packet, bytes | bytearray | memoryview) else str(packet)
+        *complete, pending = pending.split("\n\n")
+        for event in (e for e in complete if e.strip()):
+            if event.strip() == "data: [DONE]":
+                if held is not None:
+                    yield _carrying(held, extra)
+                    held = None
+                yield event + "\n\n"
+                continue
+            if held is not None:
+                yield held + "\n\n"
+            held = event
+    if held is not None:
+        yield _carrying(held, extra)
+    if pending.strip():
+        yield pending
+
+
+def _carrying(event: str, extra: dict[str, Any]) -> str:
+    prefix = "data: "
+    try:
+        payload = json.loads(event.strip()[len(prefix) :]) if event.strip().startswith(prefix) else None
+    except json.JSONDecodeError:
+        payload = None
+    if not isinstance(payload, dict):
+        return f"{event}\n\n{prefix}{json.dumps({'compaction': extra})}\n\n"
+    return f"{prefix}{json.dumps({**payload, 'compaction': extra})}\n\n"

@@ -27,10 +27,10 @@ import hashlib
 import json
 import threading
 from array import array
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from compaction.bounded import BoundedLRU
 from compaction.options import CompactionOptions
 from compaction.partition import Chunk
 from compaction.result import ChunkStats
@@ -79,14 +79,17 @@ class ChunkCache:
     """A bounded map from (options, history prefix, chunk) to the chunk's kept summary."""
 
     def __init__(self, max_entries: int = 4096, histories: int = 2, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
-        self.max_entries = max_entries
         self.max_bytes = max_bytes
-        self.bytes = 0  # entry_bytes summed over the entries
-        self._entries: OrderedDict[_Key, CachedChunk] = OrderedDict()
+        size = lambda key, entry: entry_bytes(entry)  # noqa: E731
+        self._entries: BoundedLRU[_Key, CachedChunk] = BoundedLRU(max_entries, max_bytes, size, self._forget)
         self._from: dict[tuple[str, str], set[_Key]] = {}  # (scope, digest of history[:start]) -> keys
-        self._histories = histories  # prefix digests kept for this many recent histories
-        self._prefixes: OrderedDict[int, PrefixDigests] = OrderedDict()  # id(history) -> its prefix digests
+        self._prefixes: BoundedLRU[int, PrefixDigests] = BoundedLRU(histories)  # id(history) -> its prefix digests
         self._lock = threading.Lock()
+
+    @property
+    def bytes(self) -> int:
+        """entry_bytes summed over the entries."""
+        return self._entries.bytes
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -95,10 +98,8 @@ class ChunkCache:
         """digest(ids[:end]), from the nearest prefix of the same history hashed before."""
         prefixes = self._prefixes.get(id(ids))
         if prefixes is None or prefixes.ids is not ids:
-            prefixes = self._prefixes[id(ids)] = PrefixDigests(ids)
-            while len(self._prefixes) > self._histories:
-                self._prefixes.popitem(last=False)
-        self._prefixes.move_to_end(id(ids))
+            prefixes = PrefixDigests(ids)
+            self._prefixes.put(id(ids), prefixes)
         return prefixes.digest(end)
 
     def borders(self, ids: Sequence[int], start: int, end: int, scope: str) -> list[int]:
@@ -119,11 +120,10 @@ class ChunkCache:
     def get(self, scope: str, ids: Sequence[int], chunk: Chunk, prompt: Sequence[int]) -> CachedChunk | None:
         with self._lock:
             key = (scope, self._prefix(ids, chunk.start), chunk.end, self._prefix(ids, chunk.end))
-            entry = self._entries.get(key)
+            entry = self._entries.peek(key)
             if entry is None or entry.prompt != digest(prompt):
                 return None
-            self._entries.move_to_end(key)
-            return entry
+            return self._entries.get(key)
 
     def put(
         self, scope: str, ids: Sequence[int], chunk: Chunk, prompt: Sequence[int], text: str, stats: ChunkStats
@@ -136,17 +136,13 @@ class ChunkCache:
     ) -> None:
         start = self._prefix(ids, chunk.start)
         key = (scope, start, chunk.end, self._prefix(ids, chunk.end))
-        entry = CachedChunk(text, stats, digest(prompt))
-        replaced = self._entries.get(key)
-        self.bytes += entry_bytes(entry) - (entry_bytes(replaced) if replaced is not None else 0)
-        self._entries[key] = entry
-        self._entries.move_to_end(key)
         self._from.setdefault((scope, start), set()).add(key)
-        while self._entries and (len(self._entries) > self.max_entries or self.bytes > self.max_bytes):
-            old, dropped = self._entries.popitem(last=False)
-            self.bytes -= entry_bytes(dropped)
-            keys = self._from.get((old[0], old[1]))
-            if keys is not None:
-                keys.discard(old)
-                if not keys:
-                    del self._from[(old[0], old[1])]
+        self._entries.put(key, CachedChunk(text, stats, digest(prompt)))
+
+    def _forget(self, key: _Key, entry: CachedChunk) -> None:
+        """An evicted entry leaves the index of chunks by their start."""
+        keys = self._from.get((key[0], key[1]))
+        if keys is not None:
+            keys.discard(key)
+            if not keys:
+                del self._from[(key[0], key[1])]

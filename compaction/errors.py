@@ -28,6 +28,20 @@ class ContextOverflow(InvalidInput):
     """A prompt would not fit the model's context window."""
 
 
+class PromptTooLong(ContextOverflow):
+    """A turn's prompt does not fit the model window. Worded as Anthropic's API words it, which agents read to
+    compact (Claude Code, OpenCode): "prompt is too long: N tokens > M maximum"."""
+
+    def __init__(self, tokens: int, maximum: int, field: str = "messages") -> None:
+        super().__init__(
+            field,
+            f"prompt is too long: {tokens} tokens > {maximum} maximum; compact the history (context_management) "
+            "or send fewer tokens",
+        )
+        self.tokens = tokens
+        self.maximum = maximum
+
+
 class UnknownModel(InvalidInput):
     """The request names a model the service does not host."""
 

@@ -147,6 +147,10 @@ class CompactionOptions(BaseModel):
             field = ".".join(str(p) for p in first["loc"]) or "options"
             raise InvalidInput(field, first["msg"]) from exc
 
+    def options(self) -> CompactionOptions:
+        """The compaction options alone, of a request that extends them (its own fields left out)."""
+        return CompactionOptions.model_validate(self.model_dump(include=set(CompactionOptions.model_fields)))
+
 
 def model_budget(options: CompactionOptions) -> int:
     """Tokens the model's summary of one chunk may use: the budget less the pinned share."""

@@ -91,6 +91,14 @@ class HFChatTokenizer:
     def decode(self, token_ids: Sequence[int]) -> str:
         return str(self._tok.decode(list(token_ids), skip_special_tokens=True))
 
+    def chat_prompt_tokens(self, views: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None) -> int:
+        """Tokens of the prompt a chat completion of `views` (chat views) with `tools` prefills: the template with
+        its tool list and generation prompt, as vLLM's chat endpoint renders it."""
+        text = self._tok.apply_chat_template(
+            list(views), tools=list(tools) if tools else None, tokenize=False, add_generation_prompt=True
+        )
+        return len(self._tok(str(text), add_special_tokens=False)["input_ids"])
+
     @cached_property
     def _turn_parts(self) -> tuple[str, str, str]:
         """(end of a turn, text before a user turn's content, text after it incl. the generation prompt)."""

@@ -92,10 +92,6 @@ class ContextManagement(CompactionOptions):
             }
         return data
 
-    def options(self) -> CompactionOptions:
-        """The compaction options of this entry, for the core."""
-        return CompactionOptions.model_validate(self.model_dump(include=set(CompactionOptions.model_fields)))
-
 
 def parse_context_management(raw: Any, field: str = "context_management") -> ContextManagement | None:
     """The request's compaction entry, or None when there is none. Raises InvalidInput naming the field."""
@@ -206,10 +202,14 @@ def decide(
     has_session: bool,
     growth: int = 0,
     idle_s: float | None = None,
+    force: bool = False,
 ) -> Action:
     """What this turn does (see the module docstring). `background`: the session's usable snapshot, if any;
     `growth`: the most one turn of the session grew its prompt lately (tokens); `idle_s`: its mean idle
-    time between a reply and its next turn lately (None: unknown)."""
+    time between a reply and its next turn lately (None: unknown); `force`: the client asked for a compaction
+    now (Codex's compaction_trigger), as if the prompt had passed compact_threshold."""
+    if force:
+        tokens = max(tokens, entry.compact_threshold + 1)
     if background == "done" and (tokens > entry.compact_threshold or entry.apply_background == "ready"):
         return "apply"
     if tokens > entry.compact_threshold:

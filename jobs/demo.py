@@ -28,6 +28,7 @@ import httpx
 
 from compaction.checks.quality import repeated_sentences
 from compaction.errors import CompactionError
+from compaction.history import parse_messages, template_view
 from compaction.options import VARIANTS
 from compaction.tokenizer import ChatTokenizer
 from jobs.agent.chat_loop import ChatEpisode, LoopSettings, run_episode
@@ -35,6 +36,7 @@ from jobs.agent.tools import ToolTime
 from jobs.bench.common import MODEL, local_service, replicas, sayer, table
 from jobs.data.conversations import LOCOMO_PATH, load_conversation, truncate_history
 from jobs.data.episodes import Document, Step
+from jobs.data.traces import coding_trace
 from serving.local import quiet_http_clients
 from serving.tenants import client_key
 
@@ -75,8 +77,8 @@ def agent_steps(messages: list[dict[str, Any]], tokenizer: ChatTokenizer, turn_t
     steps: list[Step] = []
     group: list[dict[str, str]] = []
     size = 0
-    for message in messages:
-        group.append({"role": "user", "content": str(message.get("content") or "")})
+    for message in parse_messages(messages):
+        group.append({"role": "user", "content": template_view(message)["content"]})  # tool calls as text
         size += len(tokenizer.encode(group[-1]["content"]))
         if size >= turn_tokens:
             steps.append(Document(f"turn {len(steps)}", tuple(group)))
@@ -84,6 +86,15 @@ def agent_steps(messages: list[dict[str, Any]], tokenizer: ChatTokenizer, turn_t
     if group:
         steps.append(Document(f"turn {len(steps)}", tuple(group)))
     return steps
+
+
+def demo_history(args: argparse.Namespace, tokenizer: ChatTokenizer) -> tuple[str, list[dict[str, Any]]]:
+    """Where the demo's history comes from, and the history: --conversation, else (no shared data on this
+    machine) a generated coding-agent session with tool calls."""
+    if args.conversation != LOCOMO_PATH or LOCOMO_PATH.exists():
+        return str(args.conversation), load_conversation(args.conversation, args.sample_id)
+    trace = coding_trace(seed=0, target_tokens=2 * args.history_tokens, tokenizer=tokenizer)
+    return f"a generated coding-agent session (seed 0; no LoCoMo data at {LOCOMO_PATH})", trace.messages
 
 
 def agent_row(episode: ChatEpisode) -> dict[str, Any]:
@@ -107,8 +118,9 @@ def run(args: argparse.Namespace, quiet: bool) -> int:
     from serving.weights import fetch
 
     tokenizer = HFChatTokenizer.from_path(fetch())
-    messages = truncate_history(load_conversation(args.conversation, args.sample_id), tokenizer, args.history_tokens)
-    say(f"{len(messages)} messages (up to {args.history_tokens} tokens) from {args.conversation}")
+    source, history = demo_history(args, tokenizer)
+    messages = truncate_history(history, tokenizer, args.history_tokens)
+    say(f"{len(messages)} messages (up to {args.history_tokens} tokens) from {source}")
     per_chunk = max(16, args.summary_tokens // -(-args.history_tokens // args.chunk_tokens))
     runs: dict[str, dict[str, Any]] = {
         "sequential": {"strategy": "sequential", "max_chunk_summary_tokens": args.summary_tokens},

@@ -119,7 +119,7 @@ class Gate:
         if len(self._queue) >= self.limits.max_queued:
             raise Overloaded(
                 f"{self._running} compactions are running and {len(self._queue)} are queued for this model "
-                f"(max_queued_compactions = {self.limits.max_queued}); retry after the Retry-After seconds",
+                f"(admission.max_queued = {self.limits.max_queued}); retry after the Retry-After seconds",
                 self.retry_after_s(),
             )
         waiter = _Waiter(need)

@@ -14,6 +14,7 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import replace
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -51,7 +52,7 @@ from serving.tenants import (
     tenant_of,
 )
 from serving.turns import FIELD as CONTEXT_MANAGEMENT
-from serving.turns import ChatTurn, PromptCounter, TurnCompaction, Wire, prepare_turn
+from serving.turns import ChatTurn, PromptCounter, TurnCompaction, Wire, edited, fit, prepare_turn
 from serving.wire import messages as wire_messages
 from serving.wire import responses as wire_responses
 from serving.wire.chat import when_sent, with_compaction
@@ -92,7 +93,7 @@ class CompactRequest(CompactionOptions):
         gt=0,
         le=86_400,
         description="Deadline in seconds, queue wait included; past it the answer is 504 and the work is "
-        "cancelled. Default: the service's compaction_timeout_s.",
+        "cancelled. Default: the service's admission.timeout_s.",
     )
     priority: Priority = Field(
         "agent",
@@ -101,11 +102,10 @@ class CompactRequest(CompactionOptions):
     )
 
     def job(self, header_session: str | None, tenant: Tenant = ANONYMOUS) -> CompactJob:
-        options = CompactionOptions.model_validate(self.model_dump(include=set(CompactionOptions.model_fields)))
         return CompactJob(
             model=self.model,
             messages=self.messages,
-            options=options,
+            options=self.options(),
             session_id=self.session_id or header_session or None,
             placement=self.placement,
             timeout_s=self.timeout_s,
@@ -130,6 +130,7 @@ class CompactionIngress(OpenAiIngress):
         lora_paths: dict[str, str] | None = None,
         tenancy: TenancyConfig | None = None,
         allow_unauthenticated: bool = False,
+        default_compaction: dict[str, dict[str, Any]] | None = None,
     ) -> None:
         if tenancy is not None:  # here, in the ingress's process: its environment holds the keys
             check_exposure(KeyTable(read_keys(tenancy)), http_host(), allow_unauthenticated, tenancy)
@@ -138,6 +139,7 @@ class CompactionIngress(OpenAiIngress):
         self._tokenizer_sources = tokenizer_sources
         self._windows = windows
         self._aliases = aliases or {}
+        self._defaults = default_compaction or {}  # model -> the compaction entry of turns that send none
         self._tokenizers: dict[str, HFChatTokenizer] = {}
         self._counters: dict[tuple[str, str], PromptCounter] = {}  # (tenant, model) -> its sessions' counts
         self._suspects = Suspects()  # jobs coordinators died running (serving.coordinator_calls)
@@ -168,11 +170,9 @@ class CompactionIngress(OpenAiIngress):
         return outcome
 
     async def chat(self, body: ChatRequest, request: Request) -> Response:
-        """OpenAI chat completions. With `context_management`, compacted server-side (see serving.turns)."""
-        if CONTEXT_MANAGEMENT not in (body.model_extra or {}):
-            salt = tenant_of(request).salted(body.cache_salt)
-            return await self._chat_on_a_live_replica(body.model_copy(update={"cache_salt": salt}), request)
-        call = ChatCall(await request.json(), _header_session(request))
+        """OpenAI chat completions. With `context_management` (the request's, else the model's default entry),
+        compacted server-side (see serving.turns)."""
+        call = self._defaulted(ChatCall(await request.json(), _header_session(request)))
         forward, outcome = await self._prepare(call, "chat", request)
         response = await self._answer(forward, call, request)
         return with_compaction(response, outcome) if outcome is not None else response
@@ -182,8 +182,12 @@ class CompactionIngress(OpenAiIngress):
         body = body.model_copy(update={"model": self._aliases.get(body.model, body.model)})
         call = wire_responses.to_chat(body, _header_session(request))
         forward, outcome = await self._prepare(call, "responses", request)
-        response = await self._answer(forward, call, request)
         sent = forward["messages"]
+        if call.compact_now:  # a compaction_trigger: the compacted context alone, as one compaction item
+            if body.stream:
+                return _events(wire_responses.stream_triggered(call, outcome, sent))
+            return JSONResponse(wire_responses.triggered(call, outcome, sent))
+        response = await self._answer(forward, call, request)
         if isinstance(response, StreamingResponse):
             return _events(wire_responses.stream(chat_chunks(response.body_iterator), call, outcome, sent))
         return JSONResponse(wire_responses.response(_json(response), call, outcome, sent))
@@ -206,8 +210,13 @@ class CompactionIngress(OpenAiIngress):
         return wire_responses.compacted(await self._compact(job), call)
 
     async def messages(self, body: MessagesRequest, request: Request) -> Response:
-        """Anthropic Messages over the chat path, the compaction beta included (see serving.wire.messages)."""
-        call = wire_messages.to_chat(body, _header_session(request))
+        """Anthropic Messages over the chat path, the compaction beta and context edits included (see
+        serving.wire.messages); the model's default compaction entry when the request sends no edit."""
+        call = self._defaulted(wire_messages.to_chat(body, _header_session(request)))
+        if call.edits:
+            tokenizer = self._tokenizer(body.model)
+            edited_body, applied = await asyncio.to_thread(edited, call.body, call.edits, call.thinking, tokenizer)
+            call = replace(call, body=edited_body, applied_edits=tuple(applied))
         forward, outcome = await self._prepare(call, "messages", request)
         sent = forward["messages"]
         if call.pause and outcome is not None and outcome.status == "applied":  # the compaction, no reply
@@ -226,6 +235,13 @@ class CompactionIngress(OpenAiIngress):
         messages = parse_messages(call.body["messages"])
         return {"input_tokens": self._counter(body.model, tenant_of(request)).count(messages, None)}
 
+    def _defaulted(self, call: ChatCall) -> ChatCall:
+        """The call with the model's default compaction entry when it sends none (the operator's threshold)."""
+        model = call.body.get("model")
+        if CONTEXT_MANAGEMENT in call.body or not isinstance(model, str) or model not in self._defaults:
+            return call
+        return replace(call, body={**call.body, CONTEXT_MANAGEMENT: [self._defaults[model]]})
+
     def _window(self, model: str) -> int:
         if model not in self._windows:
             raise UnknownModel("model", f"unknown model {model!r}; this service hosts {sorted(self._windows)}")
@@ -240,12 +256,17 @@ class CompactionIngress(OpenAiIngress):
         tenant = tenant_of(request)
         counter = self._counter(model, tenant)
         try:
-            return await prepare_turn(call.body, call.session, counter, window, self._turn, wire, tenant)
+            return await prepare_turn(
+                call.body, call.session, counter, window, self._turn, wire, tenant, force=call.compact_now
+            )
         except InvalidInput as exc:  # named as the caller's format names the field
             raise type(exc)(call.wire_field(exc.field), exc.message) from exc
 
     async def _answer(self, forward: dict[str, Any], call: ChatCall, request: Request) -> Response:
-        """ray.serve.llm's chat completion of `forward`, on the session's replica."""
+        """ray.serve.llm's chat completion of `forward` within the model window (serving.turns.fit), on the
+        session's replica."""
+        model = str(forward.get("model"))
+        forward = await asyncio.to_thread(fit, forward, self._tokenizer(model), self._window(model))
         tenant = tenant_of(request)
         salt = tenant.salted(forward.get("cache_salt") if isinstance(forward.get("cache_salt"), str) else None)
         try:
@@ -269,12 +290,16 @@ class CompactionIngress(OpenAiIngress):
                 await asyncio.sleep(pause)
         raise BackendError("no model replica could answer this turn right now; retry after the Retry-After seconds")
 
+    def _tokenizer(self, model: str) -> HFChatTokenizer:
+        self._window(model)
+        if model not in self._tokenizers:
+            self._tokenizers[model] = HFChatTokenizer.from_path(self._tokenizer_sources[model])
+        return self._tokenizers[model]
+
     def _counter(self, model: str, tenant: Tenant) -> PromptCounter:
         """The tenant's prompt counter of `model` (one tenant's sessions never evict or skew another's)."""
         if (tenant.id, model) not in self._counters:
-            if model not in self._tokenizers:
-                self._tokenizers[model] = HFChatTokenizer.from_path(self._tokenizer_sources[model])
-            tokenizer = self._tokenizers[model]
+            tokenizer = self._tokenizer(model)
             self._counters[(tenant.id, model)] = PromptCounter(tokenizer, tokenizer.special_tokens)
         return self._counters[(tenant.id, model)]
 

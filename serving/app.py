@@ -27,18 +27,20 @@ from ray.serve.llm.ingress import OpenAiIngress
 from compaction.chunk_cache import DEFAULT_MAX_BYTES as CHUNK_CACHE_BYTES
 from compaction.chunk_cache import ChunkCache
 from compaction.compactor import Compactor
-from compaction.errors import CompactionError
+from compaction.errors import CompactionError, InvalidInput
 from compaction.tokenizer import HFChatTokenizer
+from compaction.turn_policy import parse_context_management
 from serving.api import make_ingress
 from serving.background import DEFAULT_MAX_BYTES as SESSION_BYTES
 from serving.background import SessionCompactions
-from serving.coordinator import AdmissionConfig, CompactJob, Coordinator, Failure, ModelRuntime, ServiceResult
+from serving.coordinator import AdmissionConfig, CompactJob, Coordinator, ModelRuntime, ServiceResult
+from serving.errors import Failure
 from serving.metrics import RayMetrics, record_stall
 from serving.models import DEFAULT_MODEL, ModelSpec, Replicas, load_catalogue
 from serving.ray_adapter import ROUTER_CLASS, model_card, router_kwargs
 from serving.replica_backend import ReplicaBackend
 from serving.routing import CostModel
-from serving.tenants import TenancyConfig, TenantLimits
+from serving.tenants import TenancyConfig
 from serving.turns import ChatTurn, TurnCompaction
 
 COORDINATOR_MAX_ONGOING = 100_000
@@ -53,25 +55,8 @@ class AppArgs(BaseModel):
         default_factory=lambda: [DEFAULT_MODEL], min_length=1, description="Catalogue names of the models to host."
     )
     catalogue: str | None = Field(None, description="Path of a catalogue YAML; default: the packaged one.")
-    api_key_env: str = Field(
-        "COMPACTION_API_KEY",
-        min_length=1,
-        max_length=256,
-        description="Env var of the ingress's process holding one API key (the tenant 'default'); when any key "
-        "is set, every endpoint but /healthz and /docs needs Authorization: Bearer <key> (or x-api-key).",
-    )
-    api_keys_env: str = Field(
-        "COMPACTION_API_KEYS",
-        min_length=1,
-        max_length=256,
-        description="Env var of the ingress's process holding tenant:key entries, separated by commas or newlines.",
-    )
-    api_keys_file: str | None = Field(
-        None,
-        min_length=1,
-        max_length=4096,
-        description="Path, on the ingress's node, of a file of tenant:key lines ('#' comments), e.g. a mounted "
-        "Kubernetes Secret.",
+    tenancy: TenancyConfig = Field(
+        default_factory=TenancyConfig, description="Where the ingress finds its keys, and the tenants' limits."
     )
     allow_unauthenticated: bool = Field(
         False,
@@ -83,27 +68,9 @@ class AppArgs(BaseModel):
         max_length=256,
         description="Origins a browser may call the service from (CORS); empty: no CORS headers at all.",
     )
-    tenant_limits: TenantLimits = Field(
-        default_factory=TenantLimits, description="Every tenant's limits, per ingress replica (429 + Retry-After)."
-    )
-    tenant_limit_overrides: dict[str, TenantLimits] = Field(
-        default_factory=dict, description="Limits of particular tenants (by tenant id), replacing tenant_limits."
-    )
     max_request_bytes: int = Field(16 * 1024 * 1024, ge=1024, le=1 << 30, description="Bodies above this size get 413.")
-    max_concurrent_compactions: int | None = Field(
-        None,
-        ge=1,
-        le=16_384,
-        description="Per model and coordinator replica: compactions running at once. None: as many as the "
-        "engines batch (each compaction holds one sequence per chunk; capacity = running model replicas x "
-        "max_num_seqs / coordinator_replicas). More wait in the queue.",
-    )
-    max_queued_compactions: int = Field(
-        64,
-        ge=0,
-        le=100_000,
-        description="Per model and coordinator replica: compactions waiting for admission; more get 429 with "
-        "Retry-After.",
+    admission: AdmissionConfig = Field(
+        default_factory=AdmissionConfig, description="Compaction admission, per model and coordinator replica."
     )
     coordinator_replicas: int = Field(
         2, ge=1, le=64, description="Coordinator replicas; a compaction whose replica dies is retried on another."
@@ -114,9 +81,6 @@ class AppArgs(BaseModel):
         le=64,
         description="At most this many coordinator replicas on one Ray node (Serve's max_replicas_per_node): 1 "
         "spreads them, so a lost node takes at most one. None: Serve places them (it may put all on one node).",
-    )
-    compaction_timeout_s: float = Field(
-        600.0, gt=0, le=86_400, description="Deadline of a compaction that names no timeout_s; past it 504."
     )
     max_failovers: int = Field(2, ge=0, le=16, description="Times a chunk prompt moves to another replica on failure.")
     chunk_cache_entries: int = Field(
@@ -151,6 +115,12 @@ class AppArgs(BaseModel):
     replicas: dict[str, Replicas] = Field(
         default_factory=dict, description="Replica bounds per model name, replacing the catalogue's."
     )
+    default_compaction: dict[str, dict[str, Any]] = Field(
+        default_factory=dict,
+        description='Per model: the compaction entry ({"type": "compaction", "compact_threshold": N, ...}) of '
+        "chat completions and Messages turns that send none, so an agent that cannot send one (Claude Code, "
+        "OpenCode) is compacted at the operator's threshold. Responses clients (Codex) compact in-band.",
+    )
     model_aliases: dict[str, str] = Field(
         default_factory=dict,
         description="Other names /v1/responses and /v1/responses/compact accept for a hosted model, e.g. "
@@ -164,6 +134,13 @@ class AppArgs(BaseModel):
             unknown = sorted(set(named) - set(self.models))
             if unknown:
                 raise ValueError(f"{field} names models that are not hosted: {unknown}")
+        for name, entry in self.default_compaction.items():
+            if name not in self.models:
+                raise ValueError(f"default_compaction names a model that is not hosted: {name}")
+            try:
+                parse_context_management([entry], f"default_compaction.{name}")
+            except InvalidInput as exc:
+                raise ValueError(str(exc)) from exc
         unknown = sorted(name for name in self.model_aliases.values() if name not in self.models)
         if unknown:
             raise ValueError(f"model_aliases points at models that are not hosted: {unknown}")
@@ -230,13 +207,8 @@ class CoordinatorDeployment:
                 batch_sequences=math.ceil(spec.batch_sequences() / args.coordinator_replicas),
             )
             self._backends[spec.name] = backend
-        admission = AdmissionConfig(
-            max_queued=args.max_queued_compactions,
-            max_running=args.max_concurrent_compactions,
-            timeout_s=args.compaction_timeout_s,
-        )
         name = serve.get_replica_context().replica_id.unique_id
-        self._coordinator = Coordinator(runtimes, admission, RayMetrics(), name)
+        self._coordinator = Coordinator(runtimes, args.admission, RayMetrics(), name)
         coordinator = self._coordinator
         self._sessions = SessionCompactions(
             coordinator.compact,
@@ -285,17 +257,6 @@ class CoordinatorDeployment:
         """Empty the prefix cache of every replica of `model` (demos and benchmarks start cold)."""
         self._coordinator.runtime(model)
         await self._backends[model].reset_prefix_cache()
-
-
-def tenancy(opts: AppArgs) -> TenancyConfig:
-    """Where the ingress finds its keys, and the tenants' limits (no secret in it)."""
-    return TenancyConfig(
-        api_key_env=opts.api_key_env,
-        api_keys_env=opts.api_keys_env,
-        api_keys_file=opts.api_keys_file,
-        limits=opts.tenant_limits,
-        overrides=dict(opts.tenant_limit_overrides),
-    )
 
 
 def parse_args(args: dict[str, Any] | AppArgs | None) -> AppArgs:
@@ -360,7 +321,7 @@ def build_app(args: dict[str, Any]) -> Application:
         .bind(llms, specs, opts)
     )
     options = OpenAiIngress.get_deployment_options(list(configs.values()))
-    ingress = make_ingress(opts.max_request_bytes, tenancy(opts), opts.cors_origins)
+    ingress = make_ingress(opts.max_request_bytes, opts.tenancy, opts.cors_origins)
     actor = actor_options()  # no key in it: the ingress reads its keys from its own environment or file
     deployment = as_deployment(ingress).options(name="CompactionIngress", ray_actor_options=actor, **options)
     return deployment.bind(
@@ -370,6 +331,7 @@ def build_app(args: dict[str, Any]) -> Application:
         tokenizer_sources={spec.name: spec.resolved_source() for spec in specs},
         windows={spec.name: spec.max_model_len for spec in specs},
         aliases=dict(opts.model_aliases),
-        tenancy=tenancy(opts),
+        tenancy=opts.tenancy,
         allow_unauthenticated=opts.allow_unauthenticated,
+        default_compaction=dict(opts.default_compaction),
     )

@@ -26,11 +26,11 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from compaction.bounded import BoundedLRU
 from compaction.errors import BackendError, CompactionError, InvalidInput, NothingToCompact
 from compaction.history import Message
 from compaction.pacing import Priority
@@ -44,7 +44,8 @@ from compaction.turn_policy import (
     spliced,
     wants_background,
 )
-from serving.coordinator import CompactJob, Failure, ServiceResult
+from serving.coordinator import CompactJob, ServiceResult
+from serving.errors import Failure
 from serving.turns import WIRE_FIELD, ChatTurn, Status, TurnCompaction, Wire
 
 DEFAULT_MAX_BYTES = 512 * 2**20  # per coordinator replica: background jobs and results kept for their sessions
@@ -104,23 +105,26 @@ class SessionCompactions:
         self.max_sessions = max_sessions
         self.max_bytes = max_bytes
         # Per tenant (each bounded by max_sessions, so one tenant's sessions never evict another's):
-        self._runs: dict[str, OrderedDict[str, _Running]] = {}  # session -> its background run
-        self._formats: dict[str, OrderedDict[str, Wire]] = {}  # session -> the format it speaks
+        self._runs: dict[str, BoundedLRU[str, _Running]] = {}  # session -> its background run (evicted: cancelled)
+        self._formats: dict[str, BoundedLRU[str, Wire]] = {}  # session -> the format it speaks
 
     def __len__(self) -> int:
         return sum(len(runs) for runs in self._runs.values())
 
-    def _sessions(self, turn: ChatTurn) -> OrderedDict[str, _Running]:
-        return self._runs.setdefault(turn.tenant, OrderedDict())
+    def _sessions(self, turn: ChatTurn) -> BoundedLRU[str, _Running]:
+        if turn.tenant not in self._runs:
+            self._runs[turn.tenant] = BoundedLRU(self.max_sessions, on_evict=lambda _, run: run.cancel())
+        return self._runs[turn.tenant]
 
     async def turn(self, turn: ChatTurn, tokenizer: ChatTokenizer) -> TurnCompaction:
         """Decide and do this turn's compaction (compaction.turn_policy). Raises only for the caller's own errors."""
         began = time.perf_counter()
         self._check_wire(turn)
         digests = message_digests(turn.messages)
-        running = self._sessions(turn).get(turn.session_id) if turn.session_id else None
+        running = self._sessions(turn).peek(turn.session_id) if turn.session_id else None
         state: Background = running.state(digests, turn) if running else "absent"
-        action = decide(turn.prompt_tokens, turn.entry, state, turn.session_id is not None, turn.growth, turn.idle_s)
+        has_session = turn.session_id is not None
+        action = decide(turn.prompt_tokens, turn.entry, state, has_session, turn.growth, turn.idle_s, turn.force)
         if action == "start_background":
             self._start(turn, turn.messages, digests)
             return TurnCompaction(status="running", prompt_tokens=turn.prompt_tokens)
@@ -131,7 +135,7 @@ class SessionCompactions:
         result = None
         if running is not None and state != "absent":  # apply or wait for it; if it failed, say why
             result, note = await self._finish(running)
-            self._sessions(turn).pop(turn.session_id or "", None)
+            self._sessions(turn).pop(turn.session_id or "")
         source: Literal["background", "blocking"] = "background" if result is not None else "blocking"
         try:
             return await self._apply(turn, tokenizer, result, source, began, note)
@@ -142,17 +146,15 @@ class SessionCompactions:
         """A session speaks one API format: a turn of another is refused, never mixed in silently."""
         if not turn.session_id:
             return
-        wires = self._formats.setdefault(turn.tenant, OrderedDict())
-        known = wires.setdefault(turn.session_id, turn.wire)
+        wires = self._formats.setdefault(turn.tenant, BoundedLRU(self.max_sessions))
+        known = wires.get(turn.session_id) or turn.wire
         if known != turn.wire:
             raise InvalidInput(
                 WIRE_FIELD,
                 f"session {turn.session_id!r} has {known} turns; a {turn.wire} turn cannot join it: "
                 "use another session id for this API",
             )
-        wires.move_to_end(turn.session_id)
-        while len(wires) > self.max_sessions:
-            wires.popitem(last=False)
+        wires.put(turn.session_id, known)
 
     def running(self) -> int:
         """How many background runs are still compacting or prefilling."""
@@ -171,22 +173,17 @@ class SessionCompactions:
         for task in (compaction, warmed):
             task.add_done_callback(_retrieve)
         sessions = self._sessions(turn)
-        stale = sessions.get(session)
+        stale = sessions.pop(session)
         if stale is not None:  # a snapshot of a history the client no longer has, or of other options
             stale.cancel()
         running = _Running(
             Snapshot.of(digests), _made_for(turn), compaction, warmed, urgent, len(job.model_dump_json())
         )
         compaction.add_done_callback(lambda task: _measure(running, task))
-        sessions[session] = running
-        sessions.move_to_end(session)
-        while len(sessions) > self.max_sessions:
-            _, old = sessions.popitem(last=False)
-            old.cancel()
+        sessions.put(session, running)
         while self.bytes() > self.max_bytes and len(self) > 1:  # the heaviest tenant's oldest run goes first
             heaviest = max(self._runs.values(), key=lambda runs: sum(r.bytes for r in runs.values()))
-            _, old = heaviest.popitem(last=False)
-            old.cancel()
+            heaviest.pop_oldest()
 
     async def _warmed(
         self, compaction: asyncio.Task[ServiceResult], job: CompactJob, urgent: asyncio.Event

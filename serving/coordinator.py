@@ -27,21 +27,15 @@ import asyncio
 import hashlib
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from compaction.backend import Backend, Generation, GenerationRequest
 from compaction.compactor import Compactor, request_id
 from compaction.errors import (
-    BackendError,
     CompactionError,
-    ContextOverflow,
     DeadlineExceeded,
-    InvalidInput,
-    InvalidOutput,
-    ModelNotAvailable,
-    Overloaded,
     UnknownModel,
 )
 from compaction.history import Message, chat_view
@@ -50,6 +44,7 @@ from compaction.pacing import BACKGROUND, PRIORITIES, Escalation, Priority
 from compaction.plan import CompactionPlan
 from compaction.result import CompactionResult, CompactionStats
 from serving.admission import Gate, Limits, SharedRuns
+from serving.errors import outcome_of
 from serving.metrics import Outcome, OutcomeKind, Sink
 from serving.routing import (
     CostModel,
@@ -73,7 +68,7 @@ class CompactJob(BaseModel):
     options: CompactionOptions
     session_id: str | None = None
     placement: PlacementMode = "auto"
-    timeout_s: float | None = None  # this caller's deadline; None: the service's compaction_timeout_s
+    timeout_s: float | None = None  # this caller's deadline; None: the service's admission.timeout_s
     priority: Priority = "agent"  # background: its prompts yield to agent turns on the engines (compaction.pacing)
     tenant: str = DEFAULT_TENANT  # whose it is: dedup, the chunk-summary cache and sessions are per tenant
     cache_salt: str | None = None  # the tenant's prefix-cache salt on the engines (serving.tenants); None: unsalted
@@ -119,51 +114,6 @@ class ServiceResult(BaseModel):
     stats: ServiceStats
 
 
-ErrorKind = Literal[
-    "UnknownModel", "ContextOverflow", "InvalidInput", "Overloaded", "BackendError", "DeadlineExceeded",
-    "ModelNotAvailable", "InvalidOutput",
-]  # fmt: skip
-_KINDS: tuple[type[CompactionError], ...] = (
-    UnknownModel, ContextOverflow, InvalidInput, Overloaded, BackendError, DeadlineExceeded, ModelNotAvailable,
-    InvalidOutput,
-)  # fmt: skip
-# Metric outcome of each error, most specific first.
-_OUTCOMES: tuple[tuple[type[CompactionError], OutcomeKind], ...] = (
-    (InvalidInput, "invalid"), (Overloaded, "overloaded"), (DeadlineExceeded, "timeout"), (CompactionError, "failed"),
-)  # fmt: skip
-
-
-class Failure(BaseModel):
-    """A CompactionError as plain data, so it crosses a Ray call with its field and retry hint intact."""
-
-    model_config = ConfigDict(frozen=True)
-    kind: ErrorKind
-    message: str
-    field: str | None = None
-    retry_after_s: float | None = None
-    timeout_s: float | None = None
-
-    @classmethod
-    def of(cls, exc: CompactionError) -> Failure:
-        kind = next(k for k in _KINDS if isinstance(exc, k))
-        if isinstance(exc, InvalidInput):
-            return cls(kind=kind.__name__, message=exc.message, field=exc.field)
-        if isinstance(exc, DeadlineExceeded):
-            return cls(kind=kind.__name__, message=str(exc), timeout_s=exc.timeout_s)
-        retry = exc.retry_after_s if isinstance(exc, Overloaded) else None
-        return cls(kind=kind.__name__, message=str(exc), retry_after_s=retry)
-
-    def exception(self) -> CompactionError:
-        kind = next(k for k in _KINDS if k.__name__ == self.kind)
-        if issubclass(kind, InvalidInput):
-            return kind(self.field or "request", self.message)
-        if issubclass(kind, Overloaded):
-            return kind(self.message, self.retry_after_s or 1.0)
-        if issubclass(kind, DeadlineExceeded):
-            return kind(self.message, self.timeout_s or 0.0)
-        return kind(self.message)
-
-
 @dataclass
 class Recorder:
     """Passes requests through and keeps the first Generation of every request id (`compactor.request_id`)."""
@@ -199,13 +149,24 @@ class ModelRuntime:
     batch_sequences: int = 128  # sequences one model replica batches that this coordinator may fill (its share)
 
 
-@dataclass(frozen=True)
-class AdmissionConfig:
-    """The coordinator's limits, per model, for this coordinator replica."""
+class AdmissionConfig(BaseModel):
+    """The coordinator's limits, per model and coordinator replica (the app's `admission` args)."""
 
-    max_queued: int = 64  # compactions waiting for admission; more get Overloaded (429)
-    max_running: int | None = None  # cap on compactions running at once; None: only the sequence capacity limits
-    timeout_s: float = 600.0  # deadline of a request that names none
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    max_running: int | None = Field(
+        None,
+        ge=1,
+        le=16_384,
+        description="Compactions running at once. None: as many as the engines batch (each compaction holds one "
+        "sequence per chunk; capacity = running model replicas x max_num_seqs / coordinator_replicas). More wait "
+        "in the queue.",
+    )
+    max_queued: int = Field(
+        64, ge=0, le=100_000, description="Compactions waiting for admission; more get 429 with Retry-After."
+    )
+    timeout_s: float = Field(
+        600.0, gt=0, le=86_400, description="Deadline of a compaction that names no timeout_s; past it 504."
+    )
 
 
 def _plan(compactor: Compactor, job: CompactJob) -> tuple[CompactionPlan, int]:
@@ -269,7 +230,7 @@ class Coordinator:
             self._report(job, "cancelled")
             raise
         except CompactionError as exc:
-            self._report(job, next(o for kind, o in _OUTCOMES if isinstance(exc, kind)))
+            self._report(job, outcome_of(exc))
             raise
         if joined:
             result = result.model_copy(update={"stats": result.stats.model_copy(update={"shared": True})})

@@ -30,7 +30,6 @@ import asyncio
 import hashlib
 import logging
 import time
-from collections import OrderedDict
 from typing import Any
 
 from pydantic import BaseModel
@@ -38,8 +37,9 @@ from ray.exceptions import ActorUnavailableError, RayActorError, RayError, TaskC
 from ray.serve.exceptions import BackPressureError, RequestCancelledError
 from ray.serve.handle import DeploymentHandle
 
+from compaction.bounded import BoundedLRU
 from compaction.errors import BackendError
-from serving.coordinator import Failure
+from serving.errors import Failure
 from serving.metrics import record_coordinator_retry
 
 logger = logging.getLogger(__name__)
@@ -55,9 +55,8 @@ class Suspects:
 
     def __init__(self, ttl_s: float = POISON_TTL_S, max_entries: int = 4096, strikes: int = STRIKES) -> None:
         self.ttl_s = ttl_s
-        self.max_entries = max_entries
         self.strikes = strikes
-        self._seen: OrderedDict[str, tuple[int, float]] = OrderedDict()  # fingerprint -> (strikes, until)
+        self._seen: BoundedLRU[str, tuple[int, float]] = BoundedLRU(max_entries)  # fingerprint -> (strikes, until)
 
     def __len__(self) -> int:
         return len(self._seen)
@@ -69,10 +68,7 @@ class Suspects:
     def strike(self, key: str) -> bool:
         """Count a coordinator's death under this job; True when the job may not be sent again."""
         count = self._count(key) + 1
-        self._seen[key] = (count, time.monotonic() + self.ttl_s)
-        self._seen.move_to_end(key)
-        while len(self._seen) > self.max_entries:
-            self._seen.popitem(last=False)
+        self._seen.put(key, (count, time.monotonic() + self.ttl_s))
         if count >= self.strikes:
             logger.warning(
                 "job %s: %d coordinators stopped running it; refused for %.0f s", key[:12], count, self.ttl_s
@@ -83,16 +79,19 @@ class Suspects:
         """Raise BackendError (503) while the job is refused."""
         if self._count(key) < self.strikes:
             return
-        left = self._seen[key][1] - time.monotonic()
+        left = self._until(key) - time.monotonic()
         raise BackendError(
             f"an identical request was running on {self.strikes} compaction coordinators when they stopped; it is "
             f"refused for another {left:.0f} s: compact a shorter history or use larger chunk_tokens"
         )
 
+    def _until(self, key: str) -> float:
+        return (self._seen.peek(key) or (0, 0.0))[1]
+
     def _count(self, key: str) -> int:
-        count, until = self._seen.get(key, (0, 0.0))
+        count, until = self._seen.peek(key) or (0, 0.0)
         if count and until <= time.monotonic():
-            del self._seen[key]
+            self._seen.pop(key)
             return 0
         return count
 

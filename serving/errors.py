@@ -1,5 +1,12 @@
 """The one error table: every failure leaves the service as an HTTP status and a body in our shape.
 
+`TABLE` maps each class of the error hierarchy (`compaction.errors`) to its answer: HTTP status,
+error type, Retry-After and the compaction metric's outcome; a failure is resolved by the most
+specific class in its MRO (as httpx's `map_exceptions` does), so a new subclass answers as its parent
+until it gets a row. Every wire format reads it (Anthropic's shape is rewritten from the status,
+`serving.wire.errors`), and so does the coordinator's round trip: a `Failure` carries any
+`CompactionError` subclass across a Ray call as data and raises it again on the other side.
+
 Errors leave as OpenAI-style bodies `{"error": {"message", "type", "param", "code"}}` naming the
 offending field (Anthropic's shape on its routes, `serving.wire.errors`):
 
@@ -22,46 +29,120 @@ lines name.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
+from functools import cache
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from ray.exceptions import RayTaskError
-from ray.serve.exceptions import BackPressureError
+from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse
 
 from compaction.errors import (
     BackendError,
+    CompactionError,
     DeadlineExceeded,
     InvalidInput,
     InvalidOutput,
     ModelNotAvailable,
     Overloaded,
+    PromptTooLong,
     UnknownModel,
 )
+from serving.metrics import OutcomeKind
 
 logger = logging.getLogger(__name__)
 
 
-# (exception, HTTP status, error type, Retry-After seconds or None): the first match wins.
-ERRORS: tuple[tuple[type[Exception], int, str, float | None], ...] = (
-    (UnknownModel, 404, "not_found_error", None),
-    (InvalidInput, 422, "invalid_request_error", None),
-    (Overloaded, 429, "rate_limit_error", 5.0),
-    (DeadlineExceeded, 504, "timeout_error", None),
-    (BackendError, 503, "service_unavailable", 5.0),
-    (ModelNotAvailable, 503, "service_unavailable", 30.0),
-    (BackPressureError, 503, "service_unavailable", 5.0),
-    (InvalidOutput, 500, "internal_error", None),
-)
+@dataclass(frozen=True)
+class Answer:
+    """How one class of failure is answered."""
+
+    status: int  # HTTP status
+    type: str  # the error body's type (OpenAI-style)
+    outcome: OutcomeKind  # the compaction metric's outcome
+    retry_after_s: float | None = None  # Retry-After; an Overloaded error's own value wins
+    code: str | None = None  # the error body's code, when clients read one (else the status)
+
+
+TABLE: dict[type[Exception], Answer] = {
+    CompactionError: Answer(500, "internal_error", "failed"),
+    InvalidInput: Answer(422, "invalid_request_error", "invalid"),
+    UnknownModel: Answer(404, "not_found_error", "invalid"),
+    PromptTooLong: Answer(400, "invalid_request_error", "invalid", code="context_length_exceeded"),
+    InvalidOutput: Answer(500, "internal_error", "failed"),  # the core broke its own contract: a bug
+    BackendError: Answer(503, "service_unavailable", "failed", 5.0),
+    Overloaded: Answer(429, "rate_limit_error", "overloaded", 5.0),
+    DeadlineExceeded: Answer(504, "timeout_error", "timeout"),
+    ModelNotAvailable: Answer(503, "service_unavailable", "failed", 30.0),
+}
+BACK_PRESSURE = Answer(503, "service_unavailable", "overloaded", 5.0)  # Serve refused: every replica is full
+
+
+def answer_of(exc: BaseException) -> Answer | None:
+    """The table's row for `exc`: its most specific class that has one (None: not ours)."""
+    return next((TABLE[cls] for cls in type(exc).__mro__ if cls in TABLE), None)
+
+
+def outcome_of(exc: CompactionError) -> OutcomeKind:
+    """The compaction metric's outcome of a failed compaction."""
+    answer = answer_of(exc)
+    return answer.outcome if answer is not None else "failed"
+
+
+@cache
+def _error_classes() -> dict[str, type[CompactionError]]:
+    """Every CompactionError class by name (the hierarchy is defined once, in compaction.errors)."""
+    found, todo = {CompactionError.__name__: CompactionError}, [CompactionError]
+    while todo:
+        for sub in todo.pop().__subclasses__():
+            found[sub.__name__] = sub
+            todo.append(sub)
+    return found
+
+
+class Failure(BaseModel):
+    """A CompactionError as plain data, so it crosses a Ray call with its class, field and hints intact."""
+
+    model_config = ConfigDict(frozen=True)
+    kind: str  # the error's class name
+    message: str
+    field: str | None = None
+    retry_after_s: float | None = None
+    timeout_s: float | None = None
+
+    @classmethod
+    def of(cls, exc: CompactionError) -> Failure:
+        kind = type(exc).__name__ if type(exc).__name__ in _error_classes() else CompactionError.__name__
+        if isinstance(exc, InvalidInput):
+            return cls(kind=kind, message=exc.message, field=exc.field)
+        if isinstance(exc, DeadlineExceeded):
+            return cls(kind=kind, message=str(exc), timeout_s=exc.timeout_s)
+        retry = exc.retry_after_s if isinstance(exc, Overloaded) else None
+        return cls(kind=kind, message=str(exc), retry_after_s=retry)
+
+    def exception(self) -> CompactionError:
+        kind = _error_classes().get(self.kind, CompactionError)
+        if issubclass(kind, InvalidInput):
+            return kind(self.field or "request", self.message)
+        if issubclass(kind, Overloaded):
+            return kind(self.message, self.retry_after_s or 1.0)
+        if issubclass(kind, DeadlineExceeded):
+            return kind(self.message, self.timeout_s or 0.0)
+        return kind(self.message)
 
 
 def error_response(
-    status: int, kind: str, message: str, param: str | None = None, retry: float | None = None
+    status: int,
+    kind: str,
+    message: str,
+    param: str | None = None,
+    retry: float | None = None,
+    code: str | None = None,
 ) -> JSONResponse:
     headers = {"Retry-After": str(int(retry))} if retry is not None else None
-    body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
+    body = {"error": {"message": message, "type": kind, "param": param, "code": code or status}}
     return JSONResponse(body, status_code=status, headers=headers)
 
 
@@ -98,9 +179,8 @@ async def on_http_error(request: Request, exc: Exception) -> JSONResponse:
 
 
 async def on_replica_error(request: Request, exc: Exception) -> JSONResponse:
-    """An exception raised inside a model replica, without Ray's internals in the answer."""
-    assert isinstance(exc, RayTaskError)
-    cause = exc.cause
+    """An exception raised inside a model replica (a RayTaskError), without Ray's internals in the answer."""
+    cause = getattr(exc, "cause", None)
     if isinstance(cause, KeyError | ValueError | TypeError):
         detail = f"{type(cause).__name__}: {str(cause)[:200]}"
         message = f"messages: the model's chat template could not render them ({detail}); send OpenAI-style messages"
@@ -112,15 +192,24 @@ async def on_replica_error(request: Request, exc: Exception) -> JSONResponse:
 
 
 async def on_error(request: Request, exc: Exception) -> JSONResponse:
-    for kind, status, name, retry in ERRORS:
-        if isinstance(exc, kind):
-            if isinstance(exc, InvalidInput):
-                return error_response(status, name, f"{exc.field}: {exc.message}", exc.field)
-            wait = exc.retry_after_s if isinstance(exc, Overloaded) else retry
-            if status >= 500:
-                logger.warning("%s on %s (request %s): %s", name, request.url.path, _request_id(request), exc)
-            return error_response(status, name, str(exc), None, wait)
-    raise exc
+    """A failure of the hierarchy, answered by its row of the table."""
+    answer = answer_of(exc)
+    if answer is None:
+        raise exc
+    if isinstance(exc, PromptTooLong):  # clients match this wording as it is (agents compact on it)
+        return error_response(answer.status, answer.type, exc.message, exc.field, code=answer.code)
+    if isinstance(exc, InvalidInput):
+        return error_response(answer.status, answer.type, f"{exc.field}: {exc.message}", exc.field)
+    wait = exc.retry_after_s if isinstance(exc, Overloaded) else answer.retry_after_s
+    if answer.status >= 500:
+        logger.warning("%s on %s (request %s): %s", answer.type, request.url.path, _request_id(request), exc)
+    return error_response(answer.status, answer.type, str(exc), None, wait)
+
+
+async def on_back_pressure(request: Request, exc: Exception) -> JSONResponse:
+    """Serve's own refusal when every replica of a deployment is at its limit."""
+    message = "every replica is busy right now; retry after the Retry-After seconds"
+    return error_response(BACK_PRESSURE.status, BACK_PRESSURE.type, message, None, BACK_PRESSURE.retry_after_s)
 
 
 def _request_id(request: Request) -> str | None:
@@ -130,8 +219,12 @@ def _request_id(request: Request) -> str | None:
 
 def install_error_handlers(app: FastAPI) -> None:
     """Every failure of `app` answered through the table above."""
+    from ray.exceptions import RayTaskError
+    from ray.serve.exceptions import BackPressureError
+
     app.add_exception_handler(RequestValidationError, on_validation_error)
     app.add_exception_handler(HTTPException, on_http_error)
     app.add_exception_handler(RayTaskError, on_replica_error)
-    for kind, *_ in ERRORS:
+    app.add_exception_handler(BackPressureError, on_back_pressure)
+    for kind in TABLE:
         app.add_exception_handler(kind, on_error)

@@ -16,11 +16,11 @@ from compaction.partition import PlanLimits
 DEFAULT_CATALOGUE = Path(__file__).with_name("catalogue.yaml")
 DEFAULT_MODEL = "smollm2-135m-instruct"  # the CPU default: what the service hosts when told nothing else
 CPU_DEFAULT_SOURCE = "cpu-default"
-# Engine arguments that are catalogue fields (sizing reads them), so engine_kwargs may not override them.
+# Engine arguments that are catalogue fields (sizing or the served API read them): engine_kwargs may not set them.
 FIELD_ENGINE_ARGS = frozenset(
     {
         "max_model_len", "tensor_parallel_size", "quantization", "gpu_memory_utilization", "kv_cache_dtype",
-        "block_size", "max_num_seqs",
+        "block_size", "max_num_seqs", "tool_call_parser", "reasoning_parser", "enable_auto_tool_choice",
     }
 )  # fmt: skip
 # Engine arguments the service relies on (background requests run at a priority other than 0).
@@ -159,6 +159,19 @@ class ModelSpec(BaseModel):
         description="Tokens a history to compact may render to; more get 422. None: 16 model windows "
         "(compaction.partition.HISTORY_WINDOWS x max_model_len: 131,072 for an 8,192-token window).",
     )
+    tool_call_parser: str | None = Field(
+        None,
+        min_length=1,
+        description="vLLM's tool-call parser for this model's output (hermes, llama3_json, openai, ...): requests "
+        "with tools (tool_choice auto, required or named) are served and calls come back as tool calls. None: "
+        "the engine refuses tools.",
+    )
+    reasoning_parser: str | None = Field(
+        None,
+        min_length=1,
+        description="vLLM's reasoning parser for a reasoning model (openai_gptoss, ...): its reasoning is kept out "
+        "of the answer's content.",
+    )
     engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="Extra vLLM engine arguments.")
     description: str = ""
 
@@ -223,6 +236,10 @@ class ModelSpec(BaseModel):
             args["quantization"] = self.quantization
         if self.max_num_seqs is not None:
             args["max_num_seqs"] = self.max_num_seqs
+        if self.tool_call_parser:
+            args |= {"enable_auto_tool_choice": True, "tool_call_parser": self.tool_call_parser}
+        if self.reasoning_parser:
+            args["reasoning_parser"] = self.reasoning_parser
         return args | self.engine_kwargs
 
     def llm_config(self) -> Any:

@@ -2,9 +2,9 @@
 
 Where the keys come from (read in the ingress's own process, never shipped in a runtime_env):
 
-    COMPACTION_API_KEY   (AppArgs.api_key_env)    one key: the tenant "default"
-    COMPACTION_API_KEYS  (AppArgs.api_keys_env)   tenant:key entries, separated by commas or newlines
-    AppArgs.api_keys_file                         a file of tenant:key lines ('#' starts a comment)
+    COMPACTION_API_KEY   (tenancy.api_key_env)    one key: the tenant "default"
+    COMPACTION_API_KEYS  (tenancy.api_keys_env)   tenant:key entries, separated by commas or newlines
+    tenancy.api_keys_file                         a file of tenant:key lines ('#' starts a comment)
 
 Whitespace around a key, an entry or the whole value is dropped (a trailing newline from a Secret or
 `echo` never breaks matching); a variable that is set but holds no key is an error, never "auth off".
@@ -68,11 +68,32 @@ class TenancyConfig(BaseModel):
     """Where the keys are and the tenants' limits (names and paths only: no secret travels in this)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
-    api_key_env: str = "COMPACTION_API_KEY"
-    api_keys_env: str = "COMPACTION_API_KEYS"
-    api_keys_file: str | None = None
-    limits: TenantLimits = TenantLimits()
-    overrides: dict[str, TenantLimits] = Field(default_factory=dict)
+    api_key_env: str = Field(
+        "COMPACTION_API_KEY",
+        min_length=1,
+        max_length=256,
+        description="Env var of the ingress's process holding one API key (the tenant 'default'); when any key "
+        "is set, every endpoint but /healthz and /docs needs Authorization: Bearer <key> (or x-api-key).",
+    )
+    api_keys_env: str = Field(
+        "COMPACTION_API_KEYS",
+        min_length=1,
+        max_length=256,
+        description="Env var of the ingress's process holding tenant:key entries, separated by commas or newlines.",
+    )
+    api_keys_file: str | None = Field(
+        None,
+        min_length=1,
+        max_length=4096,
+        description="Path, on the ingress's node, of a file of tenant:key lines ('#' comments), e.g. a mounted "
+        "Kubernetes Secret.",
+    )
+    limits: TenantLimits = Field(
+        default_factory=TenantLimits, description="Every tenant's limits, per ingress replica (429 + Retry-After)."
+    )
+    overrides: dict[str, TenantLimits] = Field(
+        default_factory=dict, description="Limits of particular tenants (by tenant id), replacing `limits`."
+    )
 
 
 @dataclass(frozen=True)

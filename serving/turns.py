@@ -20,14 +20,15 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from compaction.errors import InvalidInput
-from compaction.history import Message, parse_messages, template_view
+from compaction.bounded import BoundedLRU
+from compaction.context_edits import Edit, apply_edits
+from compaction.errors import InvalidInput, PromptTooLong
+from compaction.history import Message, chat_view, parse_messages, template_view
 from compaction.tokenizer import ChatTokenizer
 from compaction.turn_policy import (
     ContextManagement,
@@ -65,6 +66,9 @@ class ChatTurn(BaseModel):
     wire: Wire = Field("chat", description="The API format of the turn; a session keeps the format it began with.")
     tenant: str = Field(DEFAULT_TENANT, description="Whose turn: sessions and their runs are per tenant.")
     cache_salt: str | None = Field(None, description="The tenant's prefix-cache salt on the engines (None: unsalted).")
+    force: bool = Field(
+        False, description="The client asked for a compaction now (Codex's compaction_trigger), thresholds aside."
+    )
 
 
 class TurnCompaction(BaseModel):
@@ -108,14 +112,15 @@ class PromptCounter:
     ) -> None:
         self.tokenizer = tokenizer
         self.specials = tuple(s for s in specials if s)
-        self.max_sessions = max_sessions
-        self.max_bytes = max_bytes  # the three tables together (RECORD_BYTES + the session id per record)
-        self._bytes: dict[int, int] = {}  # id(table) -> its bytes
-        self._known: OrderedDict[str, tuple[int, str, int]] = OrderedDict()  # session -> (chars, digest, tokens)
+        # Three tables of per-session records, sharing max_bytes (RECORD_BYTES + the session id per record).
+        share = max_bytes // 3
+        size = lambda session, record: len(session) + RECORD_BYTES  # noqa: E731
+        # session -> (chars, digest, tokens) of the text up to its last special token
+        self._known: BoundedLRU[str, tuple[int, str, int]] = BoundedLRU(max_sessions, share, size)
         # session -> (tokens of the prompt last answered, growth of its last RECENT_TURNS turns)
-        self._answered: OrderedDict[str, tuple[int, tuple[int, ...]]] = OrderedDict()
+        self._answered: BoundedLRU[str, tuple[int, tuple[int, ...]]] = BoundedLRU(max_sessions, share, size)
         # session -> (when its last reply finished, its last RECENT_TURNS gaps from a reply to the next turn)
-        self._replied: OrderedDict[str, tuple[float | None, tuple[float, ...]]] = OrderedDict()
+        self._replied: BoundedLRU[str, tuple[float | None, tuple[float, ...]]] = BoundedLRU(max_sessions, share, size)
 
     def count(self, messages: Sequence[Message], session: str | None) -> int:
         views = [template_view(m) for m in messages]
@@ -125,58 +130,100 @@ class PromptCounter:
             return len(self.tokenizer.encode(full))
         cut = max((history.rfind(s) + len(s) for s in self.specials if s in history), default=0)
         done, head = 0, 0
-        known = self._known.get(session) if session else None
+        known = self._known.peek(session) if session else None
         if known is not None and known[0] <= cut and _digest(history[: known[0]]) == known[1]:
             done, head = known[0], known[2]
         head += len(self.tokenizer.encode(history[done:cut])) if cut > done else 0
         if session:
-            self._remember(self._known, session, (cut, _digest(history[:cut]), head))
+            self._known.put(session, (cut, _digest(history[:cut]), head))
         return head + len(self.tokenizer.encode(full[cut:]))
 
     def growth(self, session: str | None, tokens: int) -> int:
         """How far one turn of this session may grow its prompt: the largest growth of its last few turns,
         this one's (since the prompt last answered) included; 0 for a session not seen before."""
-        last, recent = self._answered.get(session, (None, ())) if session else (None, ())
+        last, recent = (self._answered.peek(session) if session else None) or (None, ())
         return max(tokens - last if last is not None else 0, *recent, 0)
 
     def answered(self, session: str | None, sent: int, answered: int) -> None:
         """Record a turn: the prompt it sent and the prompt the model answered (smaller if compacted)."""
         if session:
-            last, recent = self._answered.get(session, (None, ()))
+            last, recent = self._answered.peek(session) or (None, ())
             if last is not None:
                 recent = (*recent, max(sent - last, 0))[-RECENT_TURNS:]
-            self._remember(self._answered, session, (answered, recent))
+            self._answered.put(session, (answered, recent))
 
     def arrived(self, session: str | None) -> float | None:
         """A turn of the session arrives: its mean gap from a reply to the next turn lately (None: not seen)."""
         if not session:
             return None
-        finished, gaps = self._replied.get(session, (None, ()))
+        finished, gaps = self._replied.peek(session) or (None, ())
         if finished is not None:
             gaps = (*gaps, max(time.monotonic() - finished, 0.0))[-RECENT_TURNS:]
-            self._remember(self._replied, session, (None, gaps))
+            self._replied.put(session, (None, gaps))
         return sum(gaps) / len(gaps) if gaps else None
 
     def replied(self, session: str | None) -> None:
         """The session's reply has been sent (its last byte, when streamed): the agent is in its tools now."""
         if session:
-            self._remember(self._replied, session, (time.monotonic(), self._replied.get(session, (None, ()))[1]))
-
-    def _remember(self, records: OrderedDict[str, Any], session: str, record: Any) -> None:
-        """Keep a session's record, the least recently seen sessions dropped past max_sessions or max_bytes."""
-        size = self._bytes.get(id(records), 0)
-        if session not in records:
-            size += len(str(session)) + RECORD_BYTES
-        records[session] = record
-        records.move_to_end(session)
-        while len(records) > 1 and (len(records) > self.max_sessions or size > self.max_bytes // 3):
-            old, _ = records.popitem(last=False)
-            size -= len(str(old)) + RECORD_BYTES
-        self._bytes[id(records)] = size
+            gaps = (self._replied.peek(session) or (None, ()))[1]
+            self._replied.put(session, (time.monotonic(), gaps))
 
 
 def _digest(text: str) -> str:
     return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+
+
+class PromptRenderer(Protocol):
+    """The exact prompt length of a chat completion (compaction.tokenizer.HFChatTokenizer)."""
+
+    def chat_prompt_tokens(self, views: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None) -> int: ...
+
+    def encode(self, text: str) -> list[int]: ...
+
+
+def _views(raw: Any) -> list[dict[str, Any]] | None:
+    """The chat views of a body's messages; None when they are not chat messages this service reads."""
+    try:
+        return [chat_view(m) for m in parse_messages(raw if isinstance(raw, list) else [])]
+    except InvalidInput:
+        return None
+
+
+def fit(forward: dict[str, Any], tokenizer: PromptRenderer, window: int) -> dict[str, Any]:
+    """The chat request within the model window: PromptTooLong when its prompt passes it (worded as agents
+    read it to compact), and a reply budget (max_tokens) past the room left cut to that room. A body whose
+    messages this service cannot read goes as it is: the engine answers it."""
+    views = _views(forward.get("messages"))
+    if views is None:
+        return forward
+    tokens = tokenizer.chat_prompt_tokens(views, forward.get("tools"))
+    if tokens >= window:
+        raise PromptTooLong(tokens, window)
+    room = window - tokens
+    budgets = ("max_tokens", "max_completion_tokens")
+    return {**forward, **{k: room for k in budgets if isinstance(forward.get(k), int) and forward[k] > room}}
+
+
+def edited(
+    body: dict[str, Any], edits: Sequence[Edit], thinking: tuple[int, str], tokenizer: PromptRenderer
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The chat body after Anthropic's context edits (compaction.context_edits), and the edits applied."""
+    if not edits:
+        return body, []
+
+    def count(messages: list[dict[str, Any]]) -> int:
+        views = _views(messages)
+        return tokenizer.chat_prompt_tokens(views, body.get("tools")) if views is not None else 0
+
+    turns, text = thinking
+    dropped = (turns, len(tokenizer.encode(text)) if text else 0)
+    messages, applied = apply_edits(list(body.get("messages") or []), edits, count, dropped)
+    return {**body, "messages": messages}, applied
+
+
+def window_entry(window: int) -> ContextManagement:
+    """The compaction entry of a client that asks for a compaction without one: its defaults for this window."""
+    return ContextManagement(type="compaction", compact_threshold=max(256, window - DEFAULT_REPLY_TOKENS))
 
 
 def reply_budget(body: dict[str, Any]) -> int:
@@ -187,10 +234,12 @@ def reply_budget(body: dict[str, Any]) -> int:
     return DEFAULT_REPLY_TOKENS
 
 
-def needs_coordinator(tokens: int, entry: ContextManagement, session: str | None, growth: int = 0) -> bool:
+def needs_coordinator(
+    tokens: int, entry: ContextManagement, session: str | None, growth: int = 0, force: bool = False
+) -> bool:
     """False when no decision can come of asking: below the hard threshold and not wanting a background run.
     (Whether the agent leaves idle time for one is the coordinator's call: a run may be under way already.)"""
-    if tokens > entry.compact_threshold:
+    if force or tokens > entry.compact_threshold:
         return True
     return session is not None and wants_background(tokens, growth, entry)
 
@@ -206,12 +255,16 @@ async def prepare_turn(
     ask: CoordinatorCall,
     wire: Wire = "chat",
     tenant: Tenant = ANONYMOUS,
+    force: bool = False,
 ) -> tuple[dict[str, Any], TurnCompaction | None]:
     """The request to forward to the model (context_management removed, maybe compacted) and the outcome.
     `wire`: the API format the turn arrived in (a translated Responses or Messages request is a chat body);
-    `tenant`: who sent it (`counter` is that tenant's)."""
+    `tenant`: who sent it (`counter` is that tenant's); `force`: compact now whatever the thresholds say (with
+    the request's entry, else one for this window)."""
     entry = parse_context_management(body.get(FIELD))
     forward = {k: v for k, v in body.items() if k != FIELD}
+    if entry is None and force:
+        entry = window_entry(window)
     if entry is None:
         return forward, None
     reply = reply_budget(body)
@@ -223,7 +276,7 @@ async def prepare_turn(
     tokens = counter.count(messages, session)
     growth = counter.growth(session, tokens)
     idle = counter.arrived(session)
-    if not needs_coordinator(tokens, entry, session, growth):
+    if not needs_coordinator(tokens, entry, session, growth, force):
         counter.answered(session, tokens, tokens)
         return forward, TurnCompaction(status="none", prompt_tokens=tokens)
     turn = ChatTurn(
@@ -238,6 +291,7 @@ async def prepare_turn(
         wire=wire,
         tenant=tenant.id,
         cache_salt=tenant.cache_salt,
+        force=force,
     )
     outcome = await ask(turn)
     counter.answered(session, tokens, outcome.compacted_prompt_tokens or tokens)

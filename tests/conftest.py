@@ -14,13 +14,14 @@ import pytest
 from compaction.tokenizer import HFChatTokenizer
 from jobs.data.conversations import SHARED_DATA
 from serving.weights import is_ready, model_dir
+from tests.fakes import ChatMLTokenizer
 from tests.support import (
     SERVICE_ALIASES,
     SERVICE_KEY,
     SERVICE_LIMITS,
     SERVICE_MAX_BYTES,
+    SERVICE_OVERRIDES,
     SERVICE_REPLICAS,
-    SERVICE_TENANCY,
     TENANT_KEYS,
     auth,
     free_port,
@@ -30,7 +31,12 @@ from tests.support import (
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests that start their own engine in another process run first, before the session's engine and
     service hold memory (four float32 engines and two Ray clusters at once pass 24 GiB); tests that
-    damage the shared service (killing replicas or the coordinator) run after all others."""
+    damage the shared service (killing replicas or the coordinator) run after all others. A test that
+    needs the CPU default model's files (its real tokenizer, its engine) is marked `model`:
+    `pytest -m "not model"` runs the rest on a clone where the model was never fetched."""
+    for item in items:
+        if "model_path" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.model)
     items.sort(
         key=lambda item: (
             item.get_closest_marker("own_engine") is None,
@@ -50,7 +56,14 @@ def model_path() -> Path:
 
 @pytest.fixture(scope="session")
 def tokenizer(model_path: Path) -> HFChatTokenizer:
+    """The CPU default model's real tokenizer and chat template (template edge cases, exact token counts)."""
     return HFChatTokenizer.from_path(model_path)
+
+
+@pytest.fixture(scope="session")
+def chat_tokenizer() -> ChatMLTokenizer:
+    """A small ChatML tokenizer of the same template (tests/fakes.py): no model files needed."""
+    return ChatMLTokenizer()
 
 
 @pytest.fixture(scope="session")
@@ -110,11 +123,10 @@ def service(ray_cluster: None, tmp_path_factory: pytest.TempPathFactory) -> Iter
     keys.write_text("# tenant:key\n" + "".join(f"  {tenant}: {key}  \n" for tenant, key in TENANT_KEYS.items()))
     args = {
         "max_request_bytes": SERVICE_MAX_BYTES,
-        "api_keys_file": str(keys),
-        **SERVICE_LIMITS,
+        "tenancy": {"api_keys_file": str(keys), "overrides": SERVICE_OVERRIDES},
+        "admission": SERVICE_LIMITS,
         **SERVICE_REPLICAS,
         **SERVICE_ALIASES,
-        **SERVICE_TENANCY,
     }
     with LocalService(free_port(), args) as running:
         yield running

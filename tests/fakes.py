@@ -7,7 +7,10 @@ It mimics what matters of vLLM: a prompt reuses the longest chain of full cached
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import json
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from compaction.backend import Generation, GenerationRequest
 from compaction.errors import BackendError
@@ -60,3 +63,79 @@ class FakeBackend:
 
 # Options for tests of the model summaries alone: no pinned lines, no user words in the head.
 PLAIN = {"pinned_share": 0.0, "user_words_tokens": 0}
+
+
+class ChatMLTokenizer:
+    """A small ChatML tokenizer and chat template (SmolLM2's shape) for pure tests that need no model files.
+
+    Words, runs of spaces and single punctuation marks are tokens; `<|im_start|>`, `<|im_end|>` and
+    `<|endoftext|>` are control tokens wherever they are spelled, unless the text is tokenised as text.
+    Ids come from a vocabulary that grows as text is seen, so they are stable within a test session.
+    """
+
+    SPECIALS = ("<|im_start|>", "<|im_end|>", "<|endoftext|>")
+    DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+    _PIECE = re.compile(r" ?\w+| ?[^\w\s]|\s+")
+
+    def __init__(self) -> None:
+        self._ids: dict[str, int] = {s: i for i, s in enumerate(self.SPECIALS)}
+        self._texts: list[str] = list(self.SPECIALS)
+        self._special = re.compile("|".join(re.escape(s) for s in self.SPECIALS))
+
+    def render(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = False) -> str:
+        head = "" if messages and messages[0]["role"] == "system" else self._turn("system", self.DEFAULT_SYSTEM)
+        body = "".join(self._turn(m["role"], m["content"]) for m in messages)
+        return head + body + ("<|im_start|>assistant\n" if add_generation_prompt else "")
+
+    @staticmethod
+    def _turn(role: str, content: str) -> str:
+        return f"<|im_start|>{role}\n{content}<|im_end|>\n"
+
+    def _id(self, piece: str) -> int:
+        if piece not in self._ids:
+            self._ids[piece] = len(self._texts)
+            self._texts.append(piece)
+        return self._ids[piece]
+
+    def encode_with_offsets(self, text: str, as_text: bool = False) -> tuple[list[int], list[int]]:
+        ids, offsets, at = [], [], 0
+        spans = [] if as_text else [(m.start(), m.end()) for m in self._special.finditer(text)]
+        for start, end in [*spans, (len(text), len(text))]:
+            for piece in self._PIECE.finditer(text, at, start):
+                ids.append(self._id(piece.group()))
+                offsets.append(piece.start())
+            if end > start:
+                ids.append(self._ids[text[start:end]])
+                offsets.append(start)
+            at = end
+        return ids, offsets
+
+    @property
+    def control_token_ids(self) -> frozenset[int]:
+        return frozenset(range(len(self.SPECIALS)))
+
+    @property
+    def special_tokens(self) -> tuple[str, ...]:
+        return self.SPECIALS
+
+    def preamble(self, first_role: str) -> str:
+        return "" if first_role == "system" else self._turn("system", self.DEFAULT_SYSTEM)
+
+    def encode(self, text: str) -> list[int]:
+        return self.encode_with_offsets(text)[0]
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return "".join(self._texts[i] for i in token_ids if i >= len(self.SPECIALS))
+
+    def user_turn(self, content: str) -> str:
+        return f"<|im_start|>user\n{content}<|im_end|>\n<|im_start|>assistant\n"
+
+    def chat_prompt_tokens(self, views: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None) -> int:
+        plain = [{"role": v["role"], "content": v.get("content") or ""} for v in views]
+        listed = len(self.encode(json.dumps(list(tools)))) if tools else 0  # the tool list, in the system turn
+        calls = sum(len(self.encode(json.dumps(v.get("tool_calls")))) for v in views if v.get("tool_calls"))
+        return len(self.encode(self.render(plain, add_generation_prompt=True))) + listed + calls
+
+    @property
+    def end_of_turn(self) -> str:
+        return "<|im_end|>\n"

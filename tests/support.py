@@ -18,7 +18,7 @@ def free_port() -> int:
 
 
 # The shared real service's tenants. The default one's key reaches the ingress through COMPACTION_API_KEY (set
-# with a trailing newline, as `echo` or a Secret leaves it); the others through a keys file (api_keys_file).
+# with a trailing newline, as `echo` or a Secret leaves it); the others through a keys file (tenancy.api_keys_file).
 SERVICE_KEY = "sk-test-default-0123456789"
 TENANT_KEYS = {
     "tenant-a": "sk-test-a-0123456789",
@@ -26,7 +26,7 @@ TENANT_KEYS = {
     "limited": "sk-test-l-0123456789",
 }
 # "limited" may send 2 requests at once above a rate of 6 a minute: the third one at once gets 429.
-SERVICE_TENANCY = {"tenant_limit_overrides": {"limited": {"requests_per_minute": 6, "burst": 2}}}
+SERVICE_OVERRIDES = {"limited": {"requests_per_minute": 6, "burst": 2}}
 
 
 def auth(key: str = SERVICE_KEY) -> dict[str, str]:
@@ -35,7 +35,7 @@ def auth(key: str = SERVICE_KEY) -> dict[str, str]:
 
 # Admission limits of the shared real service (per model and coordinator replica; two coordinators):
 # small, so a burst of cheap compactions shows the queue and the 429s.
-SERVICE_LIMITS = {"max_concurrent_compactions": 4, "max_queued_compactions": 8}
+SERVICE_LIMITS = {"max_running": 4, "max_queued": 8}
 # Two model replicas (a core each): failover, affinity and placement need more than one.
 SERVED_ALIAS = "gpt-smollm2"  # an OpenAI-style name the Responses routes accept (the Agents SDK wants one)
 SERVICE_ALIASES = {"model_aliases": {SERVED_ALIAS: SERVED_MODEL}}

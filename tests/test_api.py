@@ -7,13 +7,11 @@ from typing import Any
 
 import pytest
 from fastapi import FastAPI
-from fastapi.exceptions import RequestValidationError
 from fastapi.testclient import TestClient
-from starlette.exceptions import HTTPException
 
 from compaction.errors import BackendError, DeadlineExceeded, InvalidInput, Overloaded, UnknownModel
 from serving.api import CompactRequest
-from serving.errors import ERRORS, field_path, on_error, on_http_error, on_replica_error, on_validation_error
+from serving.errors import field_path, install_error_handlers, on_replica_error
 from serving.middleware import BodyGuard
 from serving.tenants import TenancyConfig, TenantGate
 
@@ -22,10 +20,7 @@ GOOD: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "
 
 def app(max_bytes: int = 4096) -> FastAPI:
     api = FastAPI()
-    api.add_exception_handler(RequestValidationError, on_validation_error)
-    api.add_exception_handler(HTTPException, on_http_error)
-    for kind, *_ in ERRORS:
-        api.add_exception_handler(kind, on_error)
+    install_error_handlers(api)
     api.add_middleware(BodyGuard, max_bytes=max_bytes)
     api.add_middleware(TenantGate, config=TenancyConfig(api_key_env="TEST_COMPACTION_KEY", api_keys_env="TEST_KEYS"))
 

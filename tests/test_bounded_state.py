@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import pytest
+
 from compaction.chunk_cache import ENTRY_OVERHEAD_BYTES, ChunkCache
 from compaction.history import parse_messages
 from compaction.partition import Chunk
 from compaction.result import ChunkStats
-from compaction.tokenizer import HFChatTokenizer
+from compaction.tokenizer import ChatTokenizer
 from serving.turns import RECORD_BYTES, PromptCounter
+from tests.fakes import ChatMLTokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer(chat_tokenizer: ChatMLTokenizer) -> ChatMLTokenizer:
+    return chat_tokenizer
 
 
 def test_the_chunk_cache_drops_its_oldest_summaries_past_its_bytes() -> None:
@@ -22,7 +30,7 @@ def test_the_chunk_cache_drops_its_oldest_summaries_past_its_bytes() -> None:
     assert cache.get("scope", ids, Chunk(4, 320, 400), ids[:400]) is not None
 
 
-def test_prompt_counts_are_bounded_in_bytes(tokenizer: HFChatTokenizer) -> None:
+def test_prompt_counts_are_bounded_in_bytes(tokenizer: ChatTokenizer) -> None:
     counter = PromptCounter(
         tokenizer, tokenizer.special_tokens, max_sessions=10_000, max_bytes=3 * 10 * (RECORD_BYTES + 300)
     )

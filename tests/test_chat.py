@@ -12,12 +12,18 @@ from starlette.responses import JSONResponse, StreamingResponse
 
 from compaction.errors import InvalidInput
 from compaction.history import parse_messages
-from compaction.tokenizer import HFChatTokenizer
+from compaction.tokenizer import ChatTokenizer
 from compaction.turn_policy import prompt_tokens
 from serving.turns import ChatTurn, PromptCounter, TurnCompaction, prepare_turn
 from serving.wire.chat import compaction_json, when_sent, with_compaction
+from tests.fakes import ChatMLTokenizer
 
 SYSTEM = {"role": "system", "content": "You are a coding agent."}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(chat_tokenizer: ChatMLTokenizer) -> ChatMLTokenizer:
+    return chat_tokenizer
 
 
 def history(turns: int) -> list[dict[str, Any]]:
@@ -29,7 +35,7 @@ def history(turns: int) -> list[dict[str, Any]]:
     return out
 
 
-def test_the_session_count_equals_a_whole_count(tokenizer: HFChatTokenizer) -> None:
+def test_the_session_count_equals_a_whole_count(tokenizer: ChatTokenizer) -> None:
     counter = PromptCounter(tokenizer, tokenizer.special_tokens)
     fresh = PromptCounter(tokenizer, tokenizer.special_tokens)
     for turns in (3, 4, 9, 10):
@@ -55,7 +61,7 @@ def body(messages: list[dict[str, Any]], **entry: Any) -> dict[str, Any]:
     return {"model": "m", "messages": messages, "max_tokens": 32, "context_management": cm, "temperature": 0}
 
 
-async def test_below_the_thresholds_the_turn_goes_out_unchanged_without_asking(tokenizer: HFChatTokenizer) -> None:
+async def test_below_the_thresholds_the_turn_goes_out_unchanged_without_asking(tokenizer: ChatTokenizer) -> None:
     counter = PromptCounter(tokenizer, tokenizer.special_tokens)
     ask = Asked(TurnCompaction(status="none", prompt_tokens=0))
     forward, outcome = await prepare_turn(body(history(2)), "s1", counter, 8192, ask)
@@ -63,7 +69,7 @@ async def test_below_the_thresholds_the_turn_goes_out_unchanged_without_asking(t
     assert forward == {k: v for k, v in body(history(2)).items() if k != "context_management"}
 
 
-async def test_past_the_threshold_the_forwarded_messages_are_the_compacted_prompt(tokenizer: HFChatTokenizer) -> None:
+async def test_past_the_threshold_the_forwarded_messages_are_the_compacted_prompt(tokenizer: ChatTokenizer) -> None:
     counter = PromptCounter(tokenizer, tokenizer.special_tokens)
     head = parse_messages([SYSTEM, {"role": "user", "content": "Summary: steps 0-9 ran."}])
     ask = Asked(TurnCompaction(status="applied", messages=head, replaces_through=31, prompt_tokens=900))
@@ -79,7 +85,7 @@ async def test_past_the_threshold_the_forwarded_messages_are_the_compacted_promp
     assert "context_management" not in forward and forward["max_tokens"] == 32
 
 
-async def test_bad_entries_and_messages_are_refused_before_any_work(tokenizer: HFChatTokenizer) -> None:
+async def test_bad_entries_and_messages_are_refused_before_any_work(tokenizer: ChatTokenizer) -> None:
     counter = PromptCounter(tokenizer, tokenizer.special_tokens)
     ask = Asked(TurnCompaction(status="none", prompt_tokens=0))
     cases = [
@@ -144,7 +150,7 @@ async def test_the_stream_carries_compaction_on_its_last_chunk() -> None:
 
 
 def test_the_counter_measures_the_agents_idle_time_between_a_reply_and_its_next_turn(
-    tokenizer: HFChatTokenizer,
+    tokenizer: ChatTokenizer,
 ) -> None:
     counter = PromptCounter(tokenizer, tokenizer.special_tokens)
     assert counter.arrived("s1") is None  # nothing replied yet
@@ -159,7 +165,7 @@ def test_the_counter_measures_the_agents_idle_time_between_a_reply_and_its_next_
     assert counter.arrived("other") is None and counter.arrived(None) is None
 
 
-async def test_the_ingress_asks_early_when_the_next_turn_would_pass_the_threshold(tokenizer: HFChatTokenizer) -> None:
+async def test_the_ingress_asks_early_when_the_next_turn_would_pass_the_threshold(tokenizer: ChatTokenizer) -> None:
     counter = PromptCounter(tokenizer, tokenizer.special_tokens)
     ask = Asked(TurnCompaction(status="running", prompt_tokens=0))
     entry = {"compact_threshold": 1100, "background_threshold": 950}

@@ -19,7 +19,10 @@ from compaction.errors import (
     ContextOverflow,
     DeadlineExceeded,
     InvalidInput,
+    InvalidOutput,
     ModelNotAvailable,
+    NothingToCompact,
+    OverLimit,
     Overloaded,
     UnknownModel,
 )
@@ -28,7 +31,8 @@ from compaction.options import CompactionOptions
 from compaction.render import render_history
 from compaction.tokenizer import HFChatTokenizer
 from serving.admission import GateState
-from serving.coordinator import AdmissionConfig, CompactJob, Coordinator, Failure, ModelRuntime
+from serving.coordinator import AdmissionConfig, CompactJob, Coordinator, ModelRuntime
+from serving.errors import Failure, answer_of
 from serving.metrics import Outcome
 from serving.replica_backend import ReplicaBackend, ReplicaFailed
 from serving.routing import RouteKey, order_replicas
@@ -192,7 +196,7 @@ async def test_compactions_beyond_the_capacity_queue_and_beyond_the_queue_are_to
     await gate_reaches(coord, GateState(running=1, running_sequences=chunks, queued=0, capacity=8))
     queued = [asyncio.create_task(coord.compact(job(history(), session=s))) for s in ("b", "c")]
     await gate_reaches(coord, GateState(running=1, running_sequences=chunks, queued=2, capacity=8))
-    with pytest.raises(Overloaded, match="max_queued_compactions = 2") as err:
+    with pytest.raises(Overloaded, match=r"admission\.max_queued = 2") as err:
         await coord.compact(job(history(), session="d"))
     assert err.value.retry_after_s >= 1
     gate.set()
@@ -265,15 +269,21 @@ async def test_a_compaction_past_its_deadline_is_cancelled_with_a_504_error(toke
     [
         UnknownModel("model", "no such model"),
         ContextOverflow("messages", "too long"),
+        NothingToCompact("keep_recent_tokens", "keeps everything"),
+        OverLimit("chunk_tokens", "too many chunks"),
         InvalidInput("chunk_tokens", "too small"),
         Overloaded("busy", 7.0),
         BackendError("replica died"),
         DeadlineExceeded("too slow", 2.5),
         ModelNotAvailable("offline"),
+        InvalidOutput("a bug"),
+        CompactionError("anything else"),
     ],
 )
 def test_failures_cross_a_process_boundary_intact(error: CompactionError) -> None:
+    """Every class of the hierarchy survives the coordinator's round trip (and answers as its own row)."""
     back = Failure.model_validate_json(Failure.of(error).model_dump_json()).exception()
+    assert answer_of(back) == answer_of(error)
     assert type(back) is type(error) and str(back) == str(error)
     assert getattr(back, "field", None) == getattr(error, "field", None)
     assert getattr(back, "retry_after_s", None) == getattr(error, "retry_after_s", None)
@@ -318,11 +328,16 @@ def test_the_queue_gauges_can_be_set_again_while_idle(tokenizer: HFChatTokenizer
 async def test_planning_a_large_history_leaves_the_loop_answering_and_the_deadline_covers_it(
     tokenizer: HFChatTokenizer,
 ) -> None:
-    """Planning runs in a worker thread: the loop keeps serving small compactions, and timeout_s fires during it."""
+    """Planning runs in a worker thread: the loop keeps serving small compactions, and timeout_s fires during it.
+    Every bound is the same history's planning time, measured here first (no assumption on the machine's speed)."""
     coord = coordinator(tokenizer, FakeReplicas())
-    big = job(history(2500), chunk_tokens=1024, timeout_s=0.5)  # about 100k tokens: seconds of planning
-    gaps: list[float] = []
+    big = job(history(2500), chunk_tokens=1024)  # about 100k tokens: a long planning on any machine
     loop = asyncio.get_running_loop()
+    began = loop.time()
+    await asyncio.to_thread(coord.runtime(MODEL).compactor.plan, big.messages, big.options)
+    planning_s = loop.time() - began
+    big = big.model_copy(update={"timeout_s": planning_s / 4})  # the deadline falls inside the planning
+    gaps: list[float] = []
     began = loop.time()
     planning = asyncio.create_task(coord.compact(big))
     small = []
@@ -337,5 +352,6 @@ async def test_planning_a_large_history_leaves_the_loop_answering_and_the_deadli
     with pytest.raises(DeadlineExceeded):
         await planning
     waited = loop.time() - began
-    print(f"deadline after {waited:.2f} s; loop gap max {max(gaps):.3f} s; small compactions {small}")
-    assert waited < 3.0 and max(gaps) < 2.0 and small and max(small) < 3.0
+    print(f"planning alone {planning_s:.2f} s; deadline after {waited:.2f} s; loop gap max {max(gaps):.3f} s; "
+          f"small compactions {small}")  # fmt: skip
+    assert waited < planning_s and max(gaps) < planning_s / 2 and small and max(small) < planning_s

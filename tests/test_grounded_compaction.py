@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import pytest
+
 from compaction.backend import GenerationRequest
 from compaction.checks.grounding import salient_tokens
 from compaction.compactor import Compactor
-from compaction.tokenizer import HFChatTokenizer
-from tests.fakes import PLAIN, FakeBackend
+from compaction.tokenizer import ChatTokenizer
+from tests.fakes import PLAIN, ChatMLTokenizer, FakeBackend
 from tests.test_compactor import history
 
 INVENTED = "The GolfBridge project is funded by the NSF."
+
+
+@pytest.fixture(scope="module")
+def tokenizer(chat_tokenizer: ChatMLTokenizer) -> ChatMLTokenizer:
+    return chat_tokenizer
 
 
 def script(request: GenerationRequest) -> tuple[str, str]:
@@ -24,7 +31,7 @@ def script(request: GenerationRequest) -> tuple[str, str]:
     return "A short summary.", "stop"
 
 
-async def test_nothing_invented_reaches_the_output(tokenizer: HFChatTokenizer) -> None:
+async def test_nothing_invented_reaches_the_output(tokenizer: ChatTokenizer) -> None:
     backend = FakeBackend(script=script)
     compactor = Compactor(tokenizer, backend, context_window=8192, block_size=16)
     result = await compactor.compact(history(), {"chunk_tokens": 128, **PLAIN})
@@ -50,7 +57,7 @@ async def test_nothing_invented_reaches_the_output(tokenizer: HFChatTokenizer) -
     assert "add nothing that is not there" in tokenizer.decode(retry.prompt_token_ids)
 
 
-async def test_threshold_zero_keeps_the_model_text_and_still_scores_it(tokenizer: HFChatTokenizer) -> None:
+async def test_threshold_zero_keeps_the_model_text_and_still_scores_it(tokenizer: ChatTokenizer) -> None:
     backend = FakeBackend(script=script)
     compactor = Compactor(tokenizer, backend, context_window=8192, block_size=16)
     result = await compactor.compact(history(), {"chunk_tokens": 128, "grounding_threshold": 0, **PLAIN})
@@ -61,7 +68,7 @@ async def test_threshold_zero_keeps_the_model_text_and_still_scores_it(tokenizer
     assert result.stats.ungrounded_chunks == [] and INVENTED in result.summary
 
 
-async def test_a_sequential_summary_falls_back_to_the_extractive_span(tokenizer: HFChatTokenizer) -> None:
+async def test_a_sequential_summary_falls_back_to_the_extractive_span(tokenizer: ChatTokenizer) -> None:
     backend = FakeBackend(script=lambda request: (INVENTED, "stop"))
     compactor = Compactor(tokenizer, backend, context_window=8192, block_size=16)
     result = await compactor.compact(history(), {"strategy": "sequential", "max_chunk_summary_tokens": 64})
@@ -70,7 +77,7 @@ async def test_a_sequential_summary_falls_back_to_the_extractive_span(tokenizer:
     assert 0 < chunk.summary_tokens <= 64 and not set(salient_tokens(result.summary)) & {"golfbridge", "nsf"}
 
 
-async def test_the_callers_instructions_are_a_source_and_our_tail_text_is_not(tokenizer: HFChatTokenizer) -> None:
+async def test_the_callers_instructions_are_a_source_and_our_tail_text_is_not(tokenizer: ChatTokenizer) -> None:
     """A summary may repeat what the caller's instructions say (here "ZX81"), not our own tail's word budget."""
 
     def says(request: GenerationRequest) -> tuple[str, str]:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from compaction.backend import GenerationRequest
 from compaction.chunk_cache import ChunkCache
 from compaction.compactor import Compactor
@@ -11,8 +13,13 @@ from compaction.history import parse_messages
 from compaction.partition import Chunk, partition
 from compaction.plan import SUMMARY_HEADER, is_summary
 from compaction.result import ChunkStats
-from compaction.tokenizer import HFChatTokenizer
-from tests.fakes import PLAIN, FakeBackend
+from compaction.tokenizer import ChatTokenizer
+from tests.fakes import PLAIN, ChatMLTokenizer, FakeBackend
+
+
+@pytest.fixture(scope="module")
+def tokenizer(chat_tokenizer: ChatMLTokenizer) -> ChatMLTokenizer:
+    return chat_tokenizer
 
 
 def turns(first: int, last: int) -> list[dict[str, Any]]:
@@ -30,7 +37,7 @@ def numbered(request: GenerationRequest) -> tuple[str, str]:
     return f"Summary {len(request.prompt_token_ids)}.", "stop"  # states a number: checked with grounding off
 
 
-def make(tokenizer: HFChatTokenizer, cache: ChunkCache | None = None) -> tuple[Compactor, FakeBackend]:
+def make(tokenizer: ChatTokenizer, cache: ChunkCache | None = None) -> tuple[Compactor, FakeBackend]:
     backend = FakeBackend(block_size=16, script=numbered)
     return Compactor(tokenizer, backend, context_window=8192, block_size=16, cache=cache), backend
 
@@ -46,7 +53,7 @@ def test_fixed_borders_stay_borders() -> None:
     assert [c.end for c in partition(5, 1000, 300, 16, fixed=[333])] == [304, 333, 624, 928, 1000]
 
 
-async def test_a_grown_history_summarises_only_its_new_chunks(tokenizer: HFChatTokenizer) -> None:
+async def test_a_grown_history_summarises_only_its_new_chunks(tokenizer: ChatTokenizer) -> None:
     cache = ChunkCache()
     compactor, backend = make(tokenizer, cache)
     options = OPTIONS
@@ -62,7 +69,7 @@ async def test_a_grown_history_summarises_only_its_new_chunks(tokenizer: HFChatT
     assert grown.stats.prompt_tokens == sum(len(r.prompt_token_ids) for r in backend.requests[old:])
 
 
-async def test_other_options_or_an_edited_history_are_not_reused(tokenizer: HFChatTokenizer) -> None:
+async def test_other_options_or_an_edited_history_are_not_reused(tokenizer: ChatTokenizer) -> None:
     compactor, _ = make(tokenizer, ChunkCache())
     await compactor.compact(SYSTEM + turns(0, 30), OPTIONS)
     concise = await compactor.compact(SYSTEM + turns(0, 30), {**OPTIONS, "variant": "concise"})
@@ -73,7 +80,7 @@ async def test_other_options_or_an_edited_history_are_not_reused(tokenizer: HFCh
     assert again.stats.reused_chunks == 0  # every chunk's prompt holds the edited message or follows it
 
 
-async def test_reuse_chunks_false_summarises_every_chunk_afresh(tokenizer: HFChatTokenizer) -> None:
+async def test_reuse_chunks_false_summarises_every_chunk_afresh(tokenizer: ChatTokenizer) -> None:
     compactor, backend = make(tokenizer, ChunkCache())
     first = await compactor.compact(SYSTEM + turns(0, 30), OPTIONS)
     sent = len(backend.requests)
@@ -103,7 +110,7 @@ def test_the_cache_is_bounded() -> None:
     assert cache.borders(ids, 20, 100, "s") == [30, 40, 50]
 
 
-async def test_an_earlier_summary_is_carried_verbatim(tokenizer: HFChatTokenizer) -> None:
+async def test_an_earlier_summary_is_carried_verbatim(tokenizer: ChatTokenizer) -> None:
     compactor, backend = make(tokenizer)
     first = await compactor.compact(SYSTEM + turns(0, 30), OPTIONS)
     assert is_summary(first.messages[1]) and first.kept_head == 1
@@ -119,7 +126,7 @@ async def test_an_earlier_summary_is_carried_verbatim(tokenizer: HFChatTokenizer
     assert len(backend.requests) - sent == second.stats.chunks
 
 
-async def test_summaries_past_the_carry_limit_are_summarised_again_on_their_own(tokenizer: HFChatTokenizer) -> None:
+async def test_summaries_past_the_carry_limit_are_summarised_again_on_their_own(tokenizer: ChatTokenizer) -> None:
     compactor, _ = make(tokenizer)
     first = await compactor.compact(SYSTEM + turns(0, 30), OPTIONS)
     history = [m.model_dump(exclude_none=True) for m in first.messages] + turns(30, 45)

@@ -6,7 +6,12 @@ import pytest
 
 from compaction.backend import GenerationRequest
 from jobs.agent.judge import RUBRIC, Judge, parse_verdict, pick_judge
-from tests.fakes import FakeBackend
+from tests.fakes import ChatMLTokenizer, FakeBackend
+
+
+@pytest.fixture(scope="module")
+def tokenizer(chat_tokenizer: ChatMLTokenizer) -> ChatMLTokenizer:
+    return chat_tokenizer
 
 
 @pytest.mark.parametrize(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -13,7 +14,8 @@ from compaction.layouts import SEGMENT, TARGET, build_prompts, prefill_floor
 from compaction.options import CompactionOptions
 from compaction.partition import partition
 from compaction.render import render_history
-from compaction.tokenizer import HFChatTokenizer
+from compaction.tokenizer import ChatTokenizer
+from tests.fakes import ChatMLTokenizer
 
 WORDS = ["alpha", "beta", "Paris", "2023", "said", "the", "meeting", "moved", "to", "Friday", ".", "?", "\n"]
 
@@ -24,7 +26,12 @@ histories = st.lists(
 ).map(lambda turns: [{"role": r, "content": " ".join(w)} for r, w in turns])
 
 
-def prompts_for(tokenizer: HFChatTokenizer, messages: list[dict], layout: str, chunk_tokens: int, block: int = 16):
+@pytest.fixture(scope="module")
+def tokenizer(chat_tokenizer: ChatMLTokenizer) -> ChatMLTokenizer:
+    return chat_tokenizer
+
+
+def prompts_for(tokenizer: ChatTokenizer, messages: list[dict], layout: str, chunk_tokens: int, block: int = 16):
     rendered = render_history(parse_messages(messages), tokenizer)
     end = len(rendered.token_ids)
     chunks = partition(0, end, chunk_tokens, block)
@@ -34,7 +41,7 @@ def prompts_for(tokenizer: HFChatTokenizer, messages: list[dict], layout: str, c
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(messages=histories, chunk_tokens=st.sampled_from([16, 32, 48, 100, 128]))
-def test_prefix_exact_body_is_strict_prefix_of_next(tokenizer: HFChatTokenizer, messages, chunk_tokens) -> None:
+def test_prefix_exact_body_is_strict_prefix_of_next(tokenizer: ChatTokenizer, messages, chunk_tokens) -> None:
     for layout in ("prefix_exact", "prefix_exact_marked"):
         rendered, prompts = prompts_for(tokenizer, messages, layout, chunk_tokens)
         for a, b in itertools.pairwise(prompts):
@@ -47,14 +54,14 @@ def test_prefix_exact_body_is_strict_prefix_of_next(tokenizer: HFChatTokenizer, 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(messages=histories)
-def test_every_chunk_appears_once_per_prompt_in_order(tokenizer: HFChatTokenizer, messages) -> None:
+def test_every_chunk_appears_once_per_prompt_in_order(tokenizer: ChatTokenizer, messages) -> None:
     _, prompts = prompts_for(tokenizer, messages, "independent", 32)
     rebuilt = sum((p.body for p in prompts), ())
     rendered = render_history(parse_messages(messages), tokenizer)
     assert rebuilt == rendered.token_ids
 
 
-def test_paper_wraps_only_the_target(tokenizer: HFChatTokenizer) -> None:
+def test_paper_wraps_only_the_target(tokenizer: ChatTokenizer) -> None:
     messages = [
         {"role": "user", "content": " ".join(WORDS * 12)},
         {"role": "assistant", "content": "ok " * 50},
@@ -74,7 +81,7 @@ def test_paper_wraps_only_the_target(tokenizer: HFChatTokenizer) -> None:
     assert prompts[2].body[: len(prompts[1].body)] != prompts[1].body
 
 
-def test_shared_full_holds_the_whole_snapshot(tokenizer: HFChatTokenizer) -> None:
+def test_shared_full_holds_the_whole_snapshot(tokenizer: ChatTokenizer) -> None:
     messages = [
         {"role": "user", "content": " ".join(WORDS * 12)},
         {"role": "assistant", "content": "ok " * 50},
@@ -84,14 +91,14 @@ def test_shared_full_holds_the_whole_snapshot(tokenizer: HFChatTokenizer) -> Non
     assert all(len(p.body) == len(rendered.token_ids) + marker_len for p in prompts)
 
 
-def test_marked_layout_wraps_every_chunk(tokenizer: HFChatTokenizer) -> None:
+def test_marked_layout_wraps_every_chunk(tokenizer: ChatTokenizer) -> None:
     messages = [{"role": "user", "content": " ".join(WORDS * 12)}]
     _, prompts = prompts_for(tokenizer, messages, "prefix_exact_marked", 48)
     text = tokenizer.decode(prompts[-1].body)
     assert text.count(SEGMENT[0].strip()) == len(prompts) == text.count(SEGMENT[1].strip())
 
 
-def test_tail_names_target_and_budget(tokenizer: HFChatTokenizer) -> None:
+def test_tail_names_target_and_budget(tokenizer: ChatTokenizer) -> None:
     messages = [{"role": "user", "content": " ".join(WORDS * 12)}]
     rendered = render_history(parse_messages(messages), tokenizer)
     chunks = partition(0, len(rendered.token_ids), 64, 16)
@@ -108,7 +115,7 @@ def test_tail_names_target_and_budget(tokenizer: HFChatTokenizer) -> None:
     assert tokenizer.decode(prompts[0].tail).endswith("assistant\n")
 
 
-def test_instructions_end_every_tail_after_the_chunks_own(tokenizer: HFChatTokenizer) -> None:
+def test_instructions_end_every_tail_after_the_chunks_own(tokenizer: ChatTokenizer) -> None:
     messages = [{"role": "user", "content": " ".join(WORDS * 12)}]
     rendered = render_history(parse_messages(messages), tokenizer)
     chunks = partition(0, len(rendered.token_ids), 64, 16)
@@ -119,7 +126,7 @@ def test_instructions_end_every_tail_after_the_chunks_own(tokenizer: HFChatToken
     assert "Name the city. Keep paths." in tails[1]
 
 
-def test_prefill_floor_is_history_once_plus_tails(tokenizer: HFChatTokenizer) -> None:
+def test_prefill_floor_is_history_once_plus_tails(tokenizer: ChatTokenizer) -> None:
     messages = [{"role": "user", "content": " ".join(WORDS * 20)}]
     rendered, prompts = prompts_for(tokenizer, messages, "prefix_exact", 64)
     end = len(rendered.token_ids)

@@ -10,8 +10,9 @@ from compaction.chunk_cache import ChunkCache
 from compaction.compactor import Compactor
 from compaction.errors import OverLimit
 from compaction.partition import PlanLimits
-from compaction.tokenizer import HFChatTokenizer
+from compaction.tokenizer import ChatTokenizer
 from serving.models import load_catalogue
+from tests.fakes import ChatMLTokenizer
 
 TURNS = [
     {"role": ("user", "assistant")[i % 2], "content": f"step {i}: " + "read the file again " * 12} for i in range(20)
@@ -19,11 +20,16 @@ TURNS = [
 MESSAGES = [{"role": "system", "content": "You are a coding agent."}, *TURNS]
 
 
-def compactor(tokenizer: HFChatTokenizer, limits: PlanLimits) -> Compactor:
+@pytest.fixture(scope="module")
+def tokenizer(chat_tokenizer: ChatMLTokenizer) -> ChatMLTokenizer:
+    return chat_tokenizer
+
+
+def compactor(tokenizer: ChatTokenizer, limits: PlanLimits) -> Compactor:
     return Compactor(tokenizer, None, context_window=8192, block_size=16, cache=ChunkCache(), limits=limits)  # type: ignore[arg-type]
 
 
-def test_too_many_chunks_names_the_chunk_tokens_that_fit(tokenizer: HFChatTokenizer) -> None:
+def test_too_many_chunks_names_the_chunk_tokens_that_fit(tokenizer: ChatTokenizer) -> None:
     capped = compactor(tokenizer, PlanLimits(max_chunks=8, max_history_tokens=100_000))
     with pytest.raises(OverLimit) as refused:
         capped.plan(MESSAGES, {"chunk_tokens": 16})
@@ -34,7 +40,7 @@ def test_too_many_chunks_names_the_chunk_tokens_that_fit(tokenizer: HFChatTokeni
         capped.plan(MESSAGES, {"chunk_tokens": least - 1})
 
 
-def test_a_history_over_the_cap_is_refused_before_it_is_laid_out(tokenizer: HFChatTokenizer) -> None:
+def test_a_history_over_the_cap_is_refused_before_it_is_laid_out(tokenizer: ChatTokenizer) -> None:
     capped = compactor(tokenizer, PlanLimits(max_chunks=1024, max_history_tokens=600))
     with pytest.raises(OverLimit, match="max_history_tokens of 600; compact a shorter history") as refused:
         capped.plan(MESSAGES, {"chunk_tokens": 256})

@@ -9,7 +9,7 @@ import pytest
 from compaction.compactor import Compactor
 from compaction.errors import InvalidInput, NothingToCompact
 from compaction.history import parse_messages
-from compaction.tokenizer import HFChatTokenizer
+from compaction.tokenizer import ChatTokenizer
 from compaction.turn_policy import (
     ContextManagement,
     Snapshot,
@@ -19,9 +19,14 @@ from compaction.turn_policy import (
     parse_context_management,
     spliced,
 )
-from tests.fakes import FakeBackend
+from tests.fakes import ChatMLTokenizer, FakeBackend
 
 ENTRY = {"type": "compaction", "compact_threshold": 6000}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(chat_tokenizer: ChatMLTokenizer) -> ChatMLTokenizer:
+    return chat_tokenizer
 
 
 def entry(**fields: Any) -> ContextManagement:
@@ -141,7 +146,7 @@ def test_a_snapshot_covers_the_histories_that_grow_from_it() -> None:
     assert [m.content for m in spliced(head, 3, history)] == ["summary", "m3", "m4", "m5"]
 
 
-def test_the_current_turn_is_never_summarised(tokenizer: HFChatTokenizer) -> None:
+def test_the_current_turn_is_never_summarised(tokenizer: ChatTokenizer) -> None:
     compactor = Compactor(tokenizer, FakeBackend(), context_window=8192, block_size=16)
     messages: list[dict[str, Any]] = [{"role": "system", "content": "sys"}]
     for i in range(10):

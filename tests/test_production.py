@@ -92,8 +92,8 @@ def test_metrics_are_exported_on_rays_endpoint_after_a_compaction(client: httpx.
 
 async def test_a_burst_queues_then_sheds_and_identical_requests_run_once(service: LocalService) -> None:
     """Without a session id, calls alternate between the two coordinators; each runs
-    `max_concurrent_compactions` and queues `max_queued_compactions`, then answers 429."""
-    per_coordinator = SERVICE_LIMITS["max_concurrent_compactions"] + SERVICE_LIMITS["max_queued_compactions"]
+    `admission.max_running` and queues `admission.max_queued`, then answers 429."""
+    per_coordinator = SERVICE_LIMITS["max_running"] + SERVICE_LIMITS["max_queued"]
     burst = 64  # against 2 x (4 running + 8 queued) admitted at most
     session = f"dedup-{uuid.uuid4().hex[:6]}"
     async with httpx.AsyncClient(base_url=service.url, headers=auth(), timeout=600) as http:
@@ -109,7 +109,7 @@ async def test_a_burst_queues_then_sheds_and_identical_requests_run_once(service
         )
         for refused in (r for r in replies if r.status_code == 429):
             assert int(refused.headers["retry-after"]) >= 1
-            assert "max_queued_compactions" in refused.json()["error"]["message"]
+            assert "admission.max_queued" in refused.json()["error"]["message"]
         waits = [r.json()["stats"]["queue_wait_s"] for r in replies if r.status_code == 200]
         assert max(waits) > 0 and all(w >= 0 for w in waits)
 
@@ -142,13 +142,15 @@ def test_the_load_benchmark_drives_sessions_through_the_service(
     assert (tmp_path / "load.png").stat().st_size > 0
 
 
-def long_compaction(tokens: int = 400, **extra: Any) -> dict[str, Any]:
-    """A compaction that keeps both engines decoding for a while (forced output volume)."""
+def long_compaction(tokens: int = 2000, **extra: Any) -> dict[str, Any]:
+    """A compaction that keeps both engines decoding for a while: every chunk summary is forced to `tokens` tokens
+    (no pinned share, so the model decodes the whole budget). Long by construction: 2,000 decode steps take
+    longer than any deadline or kill delay below on any CPU (a step is tens of milliseconds on the fastest)."""
     text = " ".join(f"On day {i} the crew logged position {i * 7} and weather code {i % 5}." for i in range(60))
     messages = [{"role": "user", "content": text}, {"role": "assistant", "content": "Logged."}] * 2
     return {
         "model": MODEL, "messages": messages, "chunk_tokens": 256, "max_chunk_summary_tokens": tokens,
-        "fixed_output_tokens": True, "placement": "spread", "reuse_chunks": False, **extra,
+        "pinned_share": 0.0, "fixed_output_tokens": True, "placement": "spread", "reuse_chunks": False, **extra,
     }  # fmt: skip
 
 
@@ -192,21 +194,25 @@ def coordinator_pids() -> dict[str, int]:
 
 
 @pytest.mark.destructive
-def test_a_coordinator_killed_during_a_compaction(client: httpx.Client) -> None:
+def test_a_coordinator_killed_during_a_compaction(client: httpx.Client, metrics_url: str) -> None:
     session = f"kill-{uuid.uuid4().hex[:6]}"
     warm = client.post("/v1/compact", json=cheap("Which coordinator is home?", session_id=session))
     home = warm.json()["stats"]["coordinator"]
     pids = coordinator_pids()
     assert len(pids) == 2 and home in pids, (home, pids)
     outcome: dict[str, httpx.Response] = {}
+    wait_for(lambda: engine_running(metrics_url) == 0, 120)
 
     async def compact() -> None:
         async with httpx.AsyncClient(base_url=client.base_url, headers=auth(), timeout=600) as http:
-            outcome["response"] = await http.post("/v1/compact", json=long_compaction(16, session_id=session))
+            # 400 forced tokens a chunk: far longer than the kill takes once the prompts are on the engines,
+            # short enough that the retry on the other coordinator finishes soon.
+            outcome["response"] = await http.post("/v1/compact", json=long_compaction(400, session_id=session))
 
     async def kill_then_wait() -> None:
         task = asyncio.create_task(compact())
-        await asyncio.sleep(4)  # the compaction is running on the session's coordinator
+        await asyncio.to_thread(wait_for, lambda: engine_running(metrics_url) > 0, 120)  # it is running
+        assert not task.done()
         os.kill(pids[home], signal.SIGKILL)
         await task
 

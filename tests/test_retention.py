@@ -11,7 +11,7 @@ import pytest
 
 from compaction.backend import GenerationRequest
 from compaction.history import parse_messages, template_view
-from compaction.tokenizer import HFChatTokenizer
+from compaction.tokenizer import ChatTokenizer
 from jobs.data.conversations import SHARED_DATA
 from jobs.data.datasets import load_locomo
 from jobs.data.facts import Fact, coding_history, locomo_history
@@ -22,8 +22,13 @@ from jobs.experiments.retention import recalled
 from jobs.report import retention, retention_by_kind, write_report
 from serving.models import load_catalogue
 from serving.weights import model_dir
-from tests.fakes import FakeBackend
+from tests.fakes import ChatMLTokenizer, FakeBackend
 from tests.test_sweep import MODEL, needs_shared
+
+
+@pytest.fixture(scope="module")
+def tokenizer(chat_tokenizer: ChatMLTokenizer) -> ChatMLTokenizer:
+    return chat_tokenizer
 
 
 def test_recall_is_whole_string_case_and_space_insensitive() -> None:
@@ -34,7 +39,7 @@ def test_recall_is_whole_string_case_and_space_insensitive() -> None:
     assert not recalled(fact, "ran python -m pytest tests/test_x.pyc")
 
 
-def test_coding_facts_are_the_planted_ones(tokenizer: HFChatTokenizer) -> None:
+def test_coding_facts_are_the_planted_ones(tokenizer: ChatTokenizer) -> None:
     known = coding_history(3, 2048, tokenizer)
     assert known.label == "coding seed 3"
     assert sorted(f.kind for f in known.facts) == ["command", "constraint", "failing_test", "fix", "root_cause"]
@@ -45,7 +50,7 @@ def test_coding_facts_are_the_planted_ones(tokenizer: HFChatTokenizer) -> None:
 
 
 @needs_shared
-def test_locomo_facts_are_answers_spelled_out_in_their_evidence(tokenizer: HFChatTokenizer) -> None:
+def test_locomo_facts_are_answers_spelled_out_in_their_evidence(tokenizer: ChatTokenizer) -> None:
     sample = load_locomo(SHARED_DATA / "locomo10.json")[0]
     known = locomo_history(sample, 3000, tokenizer)
     assert known.label == "locomo conv-26" and len(known.facts) >= 5

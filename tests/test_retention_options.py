@@ -17,12 +17,17 @@ from compaction.merge import keep_user_words as keep
 from compaction.partition import Chunk
 from compaction.plan import SUMMARY_HEADER
 from compaction.render import render_history
-from compaction.tokenizer import HFChatTokenizer
+from compaction.tokenizer import ChatTokenizer
 from jobs.data.analysis_traces import analysis_trace
 from jobs.data.traces import coding_trace
-from tests.fakes import PLAIN, FakeBackend
+from tests.fakes import PLAIN, ChatMLTokenizer, FakeBackend
 
 DEMO_LOOP = "I'm so glad you're doing great. I'm so glad you're doing great too. I'm so glad y"
+
+
+@pytest.fixture(scope="module")
+def tokenizer(chat_tokenizer: ChatMLTokenizer) -> ChatMLTokenizer:
+    return chat_tokenizer
 
 
 def test_a_repeated_sentence_is_a_runaway_even_when_the_summary_stopped() -> None:
@@ -34,11 +39,11 @@ def test_a_repeated_sentence_is_a_runaway_even_when_the_summary_stopped() -> Non
     assert judge("Thanks. Thanks. All good.", "stop") == "ok"  # short sentences may repeat
 
 
-def _rendered(tokenizer: HFChatTokenizer, messages: list[dict[str, Any]]) -> Any:
+def _rendered(tokenizer: ChatTokenizer, messages: list[dict[str, Any]]) -> Any:
     return render_history(parse_messages(messages), tokenizer)
 
 
-def test_the_classifier_names_what_a_chunk_holds(tokenizer: HFChatTokenizer) -> None:
+def test_the_classifier_names_what_a_chunk_holds(tokenizer: ChatTokenizer) -> None:
     call = {"id": "c1", "type": "function", "function": {"name": "run", "arguments": "{}"}}
     log = "\n".join(f"2026-01-0{i % 9 + 1} worker {i} heartbeat ok" for i in range(40))
     code = "\n".join(["def load(path):", "    with open(path) as f:", "        return f.read()"] * 12)
@@ -58,7 +63,7 @@ def test_the_classifier_names_what_a_chunk_holds(tokenizer: HFChatTokenizer) -> 
         assert INSTRUCTIONS[kind]
 
 
-def test_user_words_keep_the_newest_distinct_messages_in_order(tokenizer: HFChatTokenizer) -> None:
+def test_user_words_keep_the_newest_distinct_messages_in_order(tokenizer: ChatTokenizer) -> None:
     messages = parse_messages(
         [
             {"role": "user", "content": "First: keep Python 3.8 compatibility."},
@@ -77,7 +82,7 @@ def test_user_words_keep_the_newest_distinct_messages_in_order(tokenizer: HFChat
     assert keep(messages, tokenizer, 0, lambda m: False).texts == ()
 
 
-def test_pinned_lines_fill_what_the_summaries_leave_and_state_nothing_twice(tokenizer: HFChatTokenizer) -> None:
+def test_pinned_lines_fill_what_the_summaries_leave_and_state_nothing_twice(tokenizer: ChatTokenizer) -> None:
     trace = coding_trace(1, 2500, tokenizer)
     history = _rendered(tokenizer, trace.messages)
     end = len(history.token_ids)
@@ -97,7 +102,7 @@ def test_pinned_lines_fill_what_the_summaries_leave_and_state_nothing_twice(toke
 
 
 def test_a_line_naming_what_another_names_is_still_pinned_when_it_says_something_new(
-    tokenizer: HFChatTokenizer,
+    tokenizer: ChatTokenizer,
 ) -> None:
     messages = [
         {"role": "user", "content": "Why does test_backoff fail?"},
@@ -113,7 +118,7 @@ def test_a_line_naming_what_another_names_is_still_pinned_when_it_says_something
 
 
 async def test_a_compaction_keeps_the_users_words_and_pins_lines_and_names_the_content(
-    tokenizer: HFChatTokenizer,
+    tokenizer: ChatTokenizer,
 ) -> None:
     def script(request: GenerationRequest) -> tuple[str, str]:
         return "The agent worked on the bug.", "stop"
@@ -135,7 +140,7 @@ async def test_a_compaction_keeps_the_users_words_and_pins_lines_and_names_the_c
     assert caller.stats.per_chunk[0].content == "caller"
 
 
-async def test_a_summary_that_restates_its_instructions_keeps_none_of_them(tokenizer: HFChatTokenizer) -> None:
+async def test_a_summary_that_restates_its_instructions_keeps_none_of_them(tokenizer: ChatTokenizer) -> None:
     def parrot(request: GenerationRequest) -> tuple[str, str]:
         prompt = tokenizer.decode(list(request.prompt_token_ids))
         said = "keep who said what," if "who said what" in prompt else "keep the commands run,"
@@ -155,7 +160,7 @@ async def test_a_summary_that_restates_its_instructions_keeps_none_of_them(token
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_analysis_traces_plant_six_facts_of_their_own_once(seed: int, tokenizer: HFChatTokenizer) -> None:
+def test_analysis_traces_plant_six_facts_of_their_own_once(seed: int, tokenizer: ChatTokenizer) -> None:
     trace = analysis_trace(seed, 3000, tokenizer)
     assert [f.kind for f in trace.facts] == ["requirement", "metric", "followup", "query", "anomaly", "conclusion"]
     roles = {f.kind: trace.messages[f.message_index]["role"] for f in trace.facts}

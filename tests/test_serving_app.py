@@ -81,7 +81,7 @@ def test_http_compaction_of_a_locomo_conversation(
 def test_affinity_serves_the_history_from_the_agents_cache(
     service: LocalService, locomo: list[dict[str, Any]], tokenizer: HFChatTokenizer
 ) -> None:
-    session = make_session(locomo_messages(locomo[1]), tokenizer, 1200, turns=2, turn_tokens=200)
+    session = make_session(locomo_messages(locomo[1]), tokenizer, 800, turns=2, turn_tokens=150)
 
     async def reset() -> None:
         await asyncio.to_thread(reset_caches)

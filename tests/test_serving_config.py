@@ -19,8 +19,8 @@ SERVE_GPU = SERVE_LOCAL.with_name("serve-gpu.yaml")
 def test_app_args_have_safe_defaults_and_refuse_unknown_keys() -> None:
     args = AppArgs()
     assert args.models == ["smollm2-135m-instruct"] and args.catalogue is None
-    assert args.api_key_env == "COMPACTION_API_KEY" and args.max_request_bytes > 1_000_000
-    assert args.coordinator_replicas == 2 and args.max_concurrent_compactions is None  # sized by the engines
+    assert args.tenancy.api_key_env == "COMPACTION_API_KEY" and args.max_request_bytes > 1_000_000
+    assert args.coordinator_replicas == 2 and args.admission.max_running is None  # sized by the engines
     bad_args = (
         {"modelz": ["x"]},
         {"models": []},
@@ -29,7 +29,8 @@ def test_app_args_have_safe_defaults_and_refuse_unknown_keys() -> None:
         {"replicas": {"other": {}}},
         {"replicas": {"smollm2-135m-instruct": {"min": 3, "max": 2}}},
         {"coordinator_replicas": 0},
-        {"max_queued_compactions": -1},
+        {"admission": {"max_queued": -1}},
+        {"max_queued_compactions": 8},  # the admission limits are nested
     )
     for bad in bad_args:
         with pytest.raises(ValueError, match=r"invalid serving\.app args"):

@@ -14,7 +14,7 @@ from compaction.history import parse_messages
 from compaction.layouts import SEGMENT, TARGET
 from compaction.options import LAYOUTS, CompactionOptions
 from compaction.pacing import BACKGROUND
-from compaction.tokenizer import HFChatTokenizer
+from compaction.tokenizer import ChatTokenizer
 from jobs.data.conversations import locomo_messages, truncate_history
 from jobs.sim.cache import PrefixCache
 from jobs.sim.cluster import Cluster, CompactionJob
@@ -26,8 +26,14 @@ from jobs.sim.workload import SimConfig
 from serving.models import load_catalogue
 from serving.routing import PromptShape, common_prefix, new_prefill_tokens
 from serving.sizing import gpu_fit
+from tests.fakes import ChatMLTokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(chat_tokenizer: ChatMLTokenizer) -> ChatMLTokenizer:
+    return chat_tokenizer
 
 
 def toy_profile(**fields: Any) -> EngineProfile:
@@ -44,14 +50,14 @@ def toy_profile(**fields: Any) -> EngineProfile:
 
 
 @pytest.fixture(scope="module")
-def history(tokenizer: HFChatTokenizer, locomo: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def history(tokenizer: ChatTokenizer, locomo: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return truncate_history(locomo_messages(locomo[0]), tokenizer, 2500)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("strategy", ["parallel", "sequential"])
 def test_prompt_lengths_match_the_real_layouts(
-    tokenizer: HFChatTokenizer, history: list[dict[str, Any]], layout: str, strategy: str
+    tokenizer: ChatTokenizer, history: list[dict[str, Any]], layout: str, strategy: str
 ) -> None:
     options = CompactionOptions(strategy=strategy, layout=layout, chunk_tokens=512)  # type: ignore[arg-type]
     plan = Compactor(tokenizer, object(), context_window=8192, block_size=128).plan(  # type: ignore[arg-type]

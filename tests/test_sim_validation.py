@@ -35,7 +35,7 @@ def test_the_simulator_matches_the_real_service_per_policy(
     from ray import serve
 
     conversation = locomo_messages(locomo[0])
-    session = make_session(conversation, tokenizer, 1200, turns=2, turn_tokens=150)
+    session = make_session(conversation, tokenizer, 800, turns=2, turn_tokens=120)
     workload = Workload(session.base, session.observations)
     coordinator = serve.get_deployment_handle("Coordinator", app_name=APP_NAME)
     spec = load_catalogue().get(MODEL)

@@ -132,7 +132,7 @@ def test_the_key_never_travels_with_the_application(service: Any) -> None:
     by conftest, stays here), only where the ingress finds them."""
     from serving.app import build_app
 
-    app = build_app({"api_keys_file": "/etc/compaction/keys"})
+    app = build_app({"tenancy": {"api_keys_file": "/etc/compaction/keys"}})
     ingress = app._bound_deployment
     shipped = repr(ingress.ray_actor_options) + repr(ingress.init_args) + repr(ingress.init_kwargs)
     assert SERVICE_KEY in os.environ["COMPACTION_API_KEY"]

@@ -16,11 +16,16 @@ from compaction.compactor import Compactor
 from compaction.errors import InvalidInput, InvalidOutput
 from compaction.history import Message, parse_messages
 from compaction.render import render_history
-from compaction.tokenizer import HFChatTokenizer
+from compaction.tokenizer import ChatTokenizer
 from jobs.data.traces import coding_trace
-from tests.fakes import FakeBackend
+from tests.fakes import ChatMLTokenizer, FakeBackend
 
 OPENAI_MESSAGES = TypeAdapter(list[ChatCompletionMessageParam])  # the official client's own request schema
+
+
+@pytest.fixture(scope="module")
+def tokenizer(chat_tokenizer: ChatMLTokenizer) -> ChatMLTokenizer:
+    return chat_tokenizer
 
 
 def openai_valid(messages: list[dict[str, Any]]) -> bool:
@@ -58,7 +63,7 @@ def result(i: str, text: str = "ok") -> dict[str, Any]:
         ([call("a")], "messages[0].tool_calls"),
     ],
 )
-def test_invalid_histories_are_refused_naming_the_message(tokenizer: HFChatTokenizer, raw: list, field: str) -> None:
+def test_invalid_histories_are_refused_naming_the_message(tokenizer: ChatTokenizer, raw: list, field: str) -> None:
     assert problems(parse_messages(raw))[0][0] == field
     compactor = Compactor(tokenizer, FakeBackend(), context_window=8192)
     with pytest.raises(InvalidInput) as err:
@@ -116,7 +121,7 @@ def build(spec: list[tuple], with_system: bool) -> list[dict[str, Any]]:
     return out
 
 
-def keep_values(tokenizer: HFChatTokenizer, messages: list[dict[str, Any]]) -> list[int]:
+def keep_values(tokenizer: ChatTokenizer, messages: list[dict[str, Any]]) -> list[int]:
     """Every distinct behaviour of keep_recent_tokens: each suffix size, one below it, and zero."""
     rendered = render_history(parse_messages(messages), tokenizer)
     total = len(rendered.token_ids)
@@ -127,7 +132,7 @@ def keep_values(tokenizer: HFChatTokenizer, messages: list[dict[str, Any]]) -> l
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(spec=st.lists(turns, min_size=1, max_size=10), with_system=st.booleans(), chunk=st.sampled_from([16, 48, 128]))
 async def test_every_output_is_valid_for_every_keep_recent_tokens(
-    tokenizer: HFChatTokenizer, spec: list, with_system: bool, chunk: int
+    tokenizer: ChatTokenizer, spec: list, with_system: bool, chunk: int
 ) -> None:
     messages = build(spec, with_system)
     assert openai_valid(messages)
@@ -144,7 +149,7 @@ async def test_every_output_is_valid_for_every_keep_recent_tokens(
         assert tail == (messages[-len(tail) :] if tail else [])  # the kept tail is a verbatim suffix
 
 
-async def test_coding_trace_compacts_to_a_valid_history(tokenizer: HFChatTokenizer) -> None:
+async def test_coding_trace_compacts_to_a_valid_history(tokenizer: ChatTokenizer) -> None:
     messages = coding_trace(3, 6000, tokenizer).messages
     compactor = Compactor(tokenizer, FakeBackend(), context_window=8192, block_size=16)
     for keep in (0, 500, 1500, 3000):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import tracemalloc
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -12,10 +13,16 @@ from compaction.compactor import Compactor
 from compaction.layouts import lay_out
 from compaction.options import CompactionOptions
 from compaction.partition import partition
-from compaction.tokenizer import HFChatTokenizer
+from compaction.tokenizer import ChatTokenizer
 from compaction.views import PrefixDigests, TokenView
+from tests.fakes import ChatMLTokenizer
 
 ids = tuple(range(1000, 1300))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(chat_tokenizer: ChatMLTokenizer) -> ChatMLTokenizer:
+    return chat_tokenizer
 
 
 @settings(deadline=None)
@@ -37,7 +44,7 @@ def test_a_view_reads_digests_and_slices_as_its_tuple(spans: list[tuple[int, int
     assert view[3 : len(view) - 2] == flat[3:-2] and view[-1] == flat[-1] and (*view,) == flat and () + view == flat  # noqa: RUF005
 
 
-def test_a_prefix_exact_plan_holds_no_copy_of_the_history(tokenizer: HFChatTokenizer) -> None:
+def test_a_prefix_exact_plan_holds_no_copy_of_the_history(tokenizer: ChatTokenizer) -> None:
     """Its bodies and tails are views and short tuples; the retry prompts share the bodies' history."""
     messages = [{"role": "user" if i % 2 else "assistant", "content": f"turn {i} " + "word " * 40} for i in range(60)]
     compactor = Compactor(tokenizer, None, context_window=131_072, block_size=16, cache=ChunkCache())  # type: ignore[arg-type]
@@ -48,7 +55,7 @@ def test_a_prefix_exact_plan_holds_no_copy_of_the_history(tokenizer: HFChatToken
         assert p.body == plan.history.token_ids[: p.chunk.end] and strict.body == p.body
 
 
-def _planning_peak(tokenizer: HFChatTokenizer, turns: int) -> int:
+def _planning_peak(tokenizer: ChatTokenizer, turns: int) -> int:
     messages = [{"role": ("user", "assistant")[i % 2], "content": f"turn {i} " + "word " * 60} for i in range(turns)]
     compactor = Compactor(tokenizer, None, context_window=1_048_576, block_size=16, cache=ChunkCache())  # type: ignore[arg-type]
     history_plan = compactor.plan(messages, {"chunk_tokens": 16, "strategy": "extractive"})
@@ -64,7 +71,7 @@ def _planning_peak(tokenizer: HFChatTokenizer, turns: int) -> int:
     return peak
 
 
-def test_planning_memory_grows_linearly_with_the_history(tokenizer: HFChatTokenizer) -> None:
+def test_planning_memory_grows_linearly_with_the_history(tokenizer: ChatTokenizer) -> None:
     """Four times the history at the smallest chunk: about four times the memory (copies: sixteen times)."""
     small, large = _planning_peak(tokenizer, 40), _planning_peak(tokenizer, 160)
     print(f"planning peak: {small / 2**20:.2f} MiB at 40 turns, {large / 2**20:.2f} MiB at 160 turns")

@@ -11,12 +11,17 @@ from hypothesis import strategies as st
 from compaction.compactor import Compactor
 from compaction.errors import ContextOverflow
 from compaction.partition import Chunk, partition
-from compaction.tokenizer import HFChatTokenizer
+from compaction.tokenizer import ChatTokenizer
 from compaction.windows import Window, plan_windows
 from jobs.data.traces import coding_trace
-from tests.fakes import FakeBackend
+from tests.fakes import ChatMLTokenizer, FakeBackend
 
 BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def tokenizer(chat_tokenizer: ChatMLTokenizer) -> ChatMLTokenizer:
+    return chat_tokenizer
 
 
 def test_groups_share_a_start_and_carry_context() -> None:
@@ -39,11 +44,11 @@ def test_a_chunk_that_cannot_fit_names_chunk_tokens() -> None:
     assert err.value.field == "chunk_tokens" and "at most 460" in err.value.message
 
 
-def make(tokenizer: HFChatTokenizer, window: int) -> Compactor:
+def make(tokenizer: ChatTokenizer, window: int) -> Compactor:
     return Compactor(tokenizer, FakeBackend(block_size=BLOCK), context_window=window, block_size=BLOCK)
 
 
-def test_auto_is_prefix_exact_when_it_fits(tokenizer: HFChatTokenizer) -> None:
+def test_auto_is_prefix_exact_when_it_fits(tokenizer: ChatTokenizer) -> None:
     messages = coding_trace(2, 2500, tokenizer).messages
     options = {"chunk_tokens": 256, "max_chunk_summary_tokens": 64}
     auto = make(tokenizer, 8192).plan(messages, options)
@@ -55,7 +60,7 @@ def test_auto_is_prefix_exact_when_it_fits(tokenizer: HFChatTokenizer) -> None:
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 50), window=st.sampled_from([768, 1024, 1536]), chunk=st.sampled_from([64, 128, 200]))
 def test_windowed_prompts_fit_and_chain_within_groups(
-    tokenizer: HFChatTokenizer, seed: int, window: int, chunk: int
+    tokenizer: ChatTokenizer, seed: int, window: int, chunk: int
 ) -> None:
     messages = coding_trace(seed, 3000).messages
     plan = make(tokenizer, window).plan(messages, {"chunk_tokens": chunk, "max_chunk_summary_tokens": 64})
@@ -76,7 +81,7 @@ def test_windowed_prompts_fit_and_chain_within_groups(
     assert first and first[0].chunk.index == 0  # the first group is prefix_exact (reuses the agent's cache)
 
 
-async def test_windowed_prefill_reaches_its_floor(tokenizer: HFChatTokenizer) -> None:
+async def test_windowed_prefill_reaches_its_floor(tokenizer: ChatTokenizer) -> None:
     messages = coding_trace(7, 6000, tokenizer).messages
     compactor = make(tokenizer, 2048)
     result = await compactor.compact(messages, {"chunk_tokens": 256, "max_chunk_summary_tokens": 64})
@@ -87,7 +92,7 @@ async def test_windowed_prefill_reaches_its_floor(tokenizer: HFChatTokenizer) ->
     assert stats.compacted_tokens < stats.history_tokens
 
 
-def test_sequential_over_the_window_points_at_parallel(tokenizer: HFChatTokenizer) -> None:
+def test_sequential_over_the_window_points_at_parallel(tokenizer: ChatTokenizer) -> None:
     messages = coding_trace(1, 3000).messages
     with pytest.raises(ContextOverflow, match="use strategy=parallel"):
         make(tokenizer, 1024).plan(messages, {"strategy": "sequential", "max_chunk_summary_tokens": 64})

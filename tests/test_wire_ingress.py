@@ -14,7 +14,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from compaction.errors import InvalidInput
-from compaction.tokenizer import HFChatTokenizer
+from compaction.tokenizer import ChatTokenizer
 from serving.api import CompactionIngress
 from serving.coordinator import CompactJob, ServiceResult
 from serving.ray_adapter import ChatRequest
@@ -22,6 +22,7 @@ from serving.tenants import DEFAULT_TENANT, Tenant
 from serving.turns import ChatTurn, TurnCompaction
 from serving.wire.messages import CountTokensRequest, MessagesRequest
 from serving.wire.responses import CompactResponsesRequest, ResponsesRequest
+from tests.fakes import ChatMLTokenizer
 from tests.test_coordinator import MODEL, FakeReplicas, coordinator
 from tests.test_wire_messages import SYSTEM, coding_messages, edit
 from tests.test_wire_responses import ENTRY, INSTRUCTIONS, coding_items
@@ -30,14 +31,21 @@ from tests.wire_fakes import WINDOW, ChatPath, chat_stream, completion
 ALIAS = "gpt-fake"  # an OpenAI-style name for MODEL (model_aliases)
 
 
+@pytest.fixture(scope="module")
+def tokenizer(chat_tokenizer: ChatMLTokenizer) -> ChatMLTokenizer:
+    return chat_tokenizer
+
+
 class Ingress(CompactionIngress):
     """The ingress's own handlers over fakes: no Ray, no engine."""
 
-    def __init__(self, tokenizer: HFChatTokenizer) -> None:  # the parent's needs deployment handles
+    def __init__(self, tokenizer: ChatTokenizer) -> None:  # the parent's needs deployment handles
         self.path = ChatPath(tokenizer)
         self.tokenizer = tokenizer
         self._windows = {MODEL: WINDOW}
         self._aliases = {ALIAS: MODEL}
+        self._defaults: dict[str, dict[str, Any]] = {}
+        self._tokenizers = {MODEL: tokenizer}
         self._counters = {(DEFAULT_TENANT, MODEL): self.path.counter}
         self.turns: list[ChatTurn] = []
 
@@ -83,7 +91,7 @@ def payload(response: Response) -> dict[str, Any]:
 
 
 async def test_a_responses_turn_compacts_on_the_session_from_prompt_cache_key(
-    tokenizer: HFChatTokenizer, model: Model
+    tokenizer: ChatTokenizer, model: Model
 ) -> None:
     ingress = Ingress(tokenizer)
     items = [*coding_items(10), {"role": "user", "content": "Which module has the bug?"}]
@@ -103,7 +111,7 @@ async def test_a_responses_turn_compacts_on_the_session_from_prompt_cache_key(
 
 
 async def test_a_messages_turn_pauses_after_its_compaction_without_asking_the_model(
-    tokenizer: HFChatTokenizer, model: Model
+    tokenizer: ChatTokenizer, model: Model
 ) -> None:
     ingress = Ingress(tokenizer)
     history = [*coding_messages(8), {"role": "user", "content": "Which module has the bug?"}]
@@ -125,7 +133,7 @@ async def test_a_messages_turn_pauses_after_its_compaction_without_asking_the_mo
     assert text.startswith("event: message_start") and text.rstrip().endswith('{"type":"message_stop"}')
 
 
-async def test_a_session_cannot_mix_formats(tokenizer: HFChatTokenizer, model: Model) -> None:
+async def test_a_session_cannot_mix_formats(tokenizer: ChatTokenizer, model: Model) -> None:
     ingress = Ingress(tokenizer)
     items = [*coding_items(10), {"role": "user", "content": "Which module has the bug?"}]
     body = ResponsesRequest.model_validate({"model": MODEL, "input": items, "context_management": [ENTRY]})
@@ -144,7 +152,7 @@ async def test_a_session_cannot_mix_formats(tokenizer: HFChatTokenizer, model: M
 
 
 async def test_a_threshold_over_the_window_is_named_as_the_format_names_it(
-    tokenizer: HFChatTokenizer, model: Model
+    tokenizer: ChatTokenizer, model: Model
 ) -> None:
     ingress = Ingress(tokenizer)
     messages = MessagesRequest.model_validate(
@@ -160,7 +168,7 @@ async def test_a_threshold_over_the_window_is_named_as_the_format_names_it(
     assert caught.value.field == "model"
 
 
-async def test_compact_and_count_tokens(tokenizer: HFChatTokenizer, model: Model) -> None:
+async def test_compact_and_count_tokens(tokenizer: ChatTokenizer, model: Model) -> None:
     ingress = Ingress(tokenizer)
     items = [*coding_items(10), {"role": "user", "content": "Which module has the bug?"}]
     body = CompactResponsesRequest.model_validate(
@@ -179,7 +187,7 @@ async def test_compact_and_count_tokens(tokenizer: HFChatTokenizer, model: Model
     assert 100 < counted["input_tokens"] < 1000 and not model.sent
 
 
-async def test_a_tenants_turn_carries_its_namespace_and_cache_salt(tokenizer: HFChatTokenizer, model: Model) -> None:
+async def test_a_tenants_turn_carries_its_namespace_and_cache_salt(tokenizer: ChatTokenizer, model: Model) -> None:
     ingress = Ingress(tokenizer)
     ingress._tokenizers = {MODEL: tokenizer}
     items = [*coding_items(10), {"role": "user", "content": "Which module has the bug?"}]

@@ -13,15 +13,14 @@ from anthropic import Anthropic
 from anthropic.types.beta import BetaMessage, BetaRawMessageStreamEvent
 from anthropic.types.shared import ErrorResponse
 from fastapi import FastAPI
-from fastapi.exceptions import RequestValidationError
 from fastapi.testclient import TestClient
 from pydantic import TypeAdapter
 
 from compaction.errors import InvalidInput
 from compaction.history import parse_messages
 from compaction.plan import SUMMARY_HEADER
-from compaction.tokenizer import HFChatTokenizer
-from serving.errors import ERRORS, on_error, on_validation_error
+from compaction.tokenizer import ChatTokenizer
+from serving.errors import install_error_handlers
 from serving.turns import WIRE_FIELD
 from serving.wire.codec import ChatCall, decode, dumps, encode
 from serving.wire.errors import AnthropicErrors
@@ -35,12 +34,18 @@ from serving.wire.messages import (
     to_chat,
 )
 from serving.wire.sse import chat_chunks
+from tests.fakes import ChatMLTokenizer
 from tests.test_coordinator import MODEL
 from tests.wire_fakes import ChatPath, chat_stream, completion
 
 SYSTEM = "You are a coding agent. Answer in one short sentence."
 BETA = "compact-2026-01-12"
 EVENTS: TypeAdapter[Any] = TypeAdapter(BetaRawMessageStreamEvent)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(chat_tokenizer: ChatMLTokenizer) -> ChatMLTokenizer:
+    return chat_tokenizer
 
 
 def edit(value: int = 600, **fields: Any) -> dict[str, Any]:
@@ -119,14 +124,16 @@ def edits(*entries: dict[str, Any]) -> dict[str, Any]:
 @pytest.mark.parametrize(
     ("fields", "field"),
     [
-        (edits({"type": "clear_tool_uses_20250919"}), f"{EDITS}[0].type"),
+        (edits({"type": "clear_everything_20990101"}), f"{EDITS}[0].type"),
+        (edits({"type": "clear_tool_uses_20250919", "keep": {"type": "turns", "value": 2}}), f"{EDITS}[0].keep.type"),
         (edits(edit(), edit()), f"{EDITS}[1]"),
         (edits({"type": "compact_20260112"}), f"{EDITS}[0].trigger.value"),
         (edits({**edit(), "trigger": {"type": "turns"}}), f"{EDITS}[0].trigger"),
         (edits(edit(pause_after_compaction="y")), f"{EDITS}[0].pause_after_compaction"),
-        ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking.type"),
-        ({"messages": [{"role": "system", "content": "x"}]}, "messages[0].role"),
-        ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "messages[0].content[0].type"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": "user", "content": [{"type": "video", "source": {}}]}]}, "messages[0].content[0].type"),
+        ({"output_config": {"format": {"type": "regex"}}}, "output_config.format"),
+        ({"tools": [{"name": "f"}]}, "tools[0].input_schema"),
         ({"messages": [{"role": "user", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]}]},
          "messages[0].content[0].type"),
         ({"messages": [{"role": "user", "content": [{"type": "tool_result"}]}]}, "messages[0].content[0].tool_use_id"),
@@ -146,19 +153,22 @@ def test_everything_before_the_last_compaction_block_is_ignored() -> None:
     carried = parse_messages([{"role": "user", "content": f"{SUMMARY_HEADER}\nA."}, {"role": "user", "content": "Q?"}])
     block = {"type": "compaction", "content": "A.", "encrypted_content": encode(carried)}
     old = {"type": "compaction", "content": "old", "encrypted_content": "never read"}
-    failed = {"type": "compaction", "content": None}  # a failed compaction: a no-op
     history = [
         {"role": "user", "content": "Hi"},
         {"role": "assistant", "content": [old]},
         *coding_messages(2),
         {"role": "assistant", "content": [block, {"type": "text", "text": "Done."}]},
         {"role": "user", "content": "Next?"},
-        {"role": "assistant", "content": [failed, {"type": "text", "text": "Sure."}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "Sure."}]},
     ]
     after = [{"role": "assistant", "content": "Done."}, {"role": "user", "content": "Next?"}]
-    assert chat_messages(history) == [*dumps(carried), *after, {"role": "assistant", "content": "Sure."}]
+    assert chat_messages(history)[0] == [*dumps(carried), *after, {"role": "assistant", "content": "Sure."}]
     other = [{"role": "assistant", "content": [{"type": "compaction", "content": "Bob booked trip 3."}]}]
-    assert chat_messages(other) == [{"role": "user", "content": f"{SUMMARY_HEADER}\nBob booked trip 3."}]
+    assert chat_messages(other)[0] == [{"role": "user", "content": f"{SUMMARY_HEADER}\nBob booked trip 3."}]
+    emptied = {"type": "compaction", "content": None, "encrypted_content": None}  # what a client that lost it sends
+    with pytest.raises(InvalidInput) as caught:
+        chat_messages([*history, {"role": "assistant", "content": [emptied]}])  # never a silent drop of its turns
+    assert caught.value.field == f"messages[{len(history)}].content[0].content"
     with pytest.raises(InvalidInput) as caught:
         chat_messages([*history, {"role": "assistant", "content": [{**block, "encrypted_content": "gAAAA"}]}])
     assert caught.value.field == f"messages[{len(history)}].content[0].encrypted_content"
@@ -167,7 +177,7 @@ def test_everything_before_the_last_compaction_block_is_ignored() -> None:
     assert caught.value.field == "messages[0].content[0].content"
 
 
-async def compacted_turn(tokenizer: HFChatTokenizer, **edit_fields: Any) -> tuple[ChatCall, dict[str, Any], Any]:
+async def compacted_turn(tokenizer: ChatTokenizer, **edit_fields: Any) -> tuple[ChatCall, dict[str, Any], Any]:
     history = [*coding_messages(8), {"role": "user", "content": "Which module has the bug?"}]
     call = to_chat(request(history, context_management={"edits": [edit(**edit_fields)]}), "s1")
     forward, outcome = await ChatPath(tokenizer).prepare(call, "messages")
@@ -175,7 +185,7 @@ async def compacted_turn(tokenizer: HFChatTokenizer, **edit_fields: Any) -> tupl
     return call, forward, outcome
 
 
-async def test_a_compacted_turn_answers_with_the_block_first_and_its_iterations(tokenizer: HFChatTokenizer) -> None:
+async def test_a_compacted_turn_answers_with_the_block_first_and_its_iterations(tokenizer: ChatTokenizer) -> None:
     call, forward, outcome = await compacted_turn(tokenizer)
     tool_call = {"id": "call_1", "type": "function", "function": {"name": "read_file", "arguments": '{"i": 3}'}}
     out = BetaMessage.model_validate(message(completion("module_3.py.", [tool_call], "tool_calls"), call, outcome,
@@ -193,7 +203,7 @@ async def test_a_compacted_turn_answers_with_the_block_first_and_its_iterations(
 
 
 async def test_pause_after_compaction_answers_the_block_alone_and_the_resend_is_answered(
-    tokenizer: HFChatTokenizer,
+    tokenizer: ChatTokenizer,
 ) -> None:
     call, forward, outcome = await compacted_turn(tokenizer, pause_after_compaction=True)
     out = BetaMessage.model_validate(paused(call, outcome, forward["messages"]))
@@ -210,7 +220,7 @@ async def test_pause_after_compaction_answers_the_block_alone_and_the_resend_is_
     assert parsed[-2].type == "message_delta" and parsed[-2].delta.stop_reason == "compaction"
 
 
-async def test_the_stream_is_messages_events_the_sdk_reads(tokenizer: HFChatTokenizer) -> None:
+async def test_the_stream_is_messages_events_the_sdk_reads(tokenizer: ChatTokenizer) -> None:
     call, forward, outcome = await compacted_turn(tokenizer)
     tool = {"name": "read_file", "arguments": '{"i": 3}'}
     chunks = chat_chunks(chat_stream(["modu", "le_3", ".py"], tool=tool, finish="tool_calls"))
@@ -252,7 +262,7 @@ def sdk(path: ChatPath, seen: list[dict[str, Any]]) -> Anthropic:
     )
 
 
-def test_the_anthropic_client_round_trips_the_block(tokenizer: HFChatTokenizer) -> None:
+def test_the_anthropic_client_round_trips_the_block(tokenizer: ChatTokenizer) -> None:
     seen: list[dict[str, Any]] = []
     client = sdk(ChatPath(tokenizer), seen)
     history = [*coding_messages(8), {"role": "user", "content": "Which module has the bug?"}]
@@ -273,9 +283,7 @@ def test_the_anthropic_client_round_trips_the_block(tokenizer: HFChatTokenizer) 
 
 def errors_app() -> FastAPI:
     app = FastAPI()
-    app.add_exception_handler(RequestValidationError, on_validation_error)
-    for kind, *_ in ERRORS:
-        app.add_exception_handler(kind, on_error)
+    install_error_handlers(app)
     app.add_middleware(AnthropicErrors)
 
     @app.post("/v1/messages")
@@ -292,7 +300,7 @@ def errors_app() -> FastAPI:
 
 def test_errors_on_the_anthropic_routes_have_anthropics_shape_and_the_others_keep_ours() -> None:
     client = TestClient(errors_app())
-    bad = {"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": [{"type": "image"}]}]}
+    bad = {"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": [{"type": "video"}]}]}
     answer = client.post("/v1/messages", json=bad)
     assert answer.status_code == 422
     error = ErrorResponse.model_validate(answer.json())

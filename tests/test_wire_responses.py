@@ -68,7 +68,8 @@ def test_input_items_become_one_chat_conversation() -> None:
     assert call.system and call.session is None
     body = call.body
     assert body["max_tokens"] == 12 and body["temperature"] == 0 and body["tool_choice"] == "auto"
-    assert body["tools"] == [{"type": "function", "function": {"name": "read_file", "parameters": {"type": "object"}}}]
+    function = {"name": "read_file", "parameters": {"type": "object"}, "strict": True}
+    assert body["tools"] == [{"type": "function", "function": function}]
     assert [m["role"] for m in body["messages"]] == [
         "system",
         "system",
@@ -84,7 +85,7 @@ def test_input_items_become_one_chat_conversation() -> None:
     assert body["messages"][4] == {"role": "tool", "tool_call_id": "call_0", "content": coding_items(1)[2]["output"]}
     parse_messages(body["messages"])  # valid chat messages
     text = "module_0.py splits on commas at index 0."
-    merged = input_messages([{"role": "assistant", "content": text}, coding_items(1)[1]])
+    merged, _ = input_messages([{"role": "assistant", "content": text}, coding_items(1)[1]])
     assert merged == [{"role": "assistant", "content": text, "tool_calls": [assistant["tool_calls"][0]]}]
 
 
@@ -101,7 +102,12 @@ def test_the_session_is_the_header_else_prompt_cache_key() -> None:
         ({"previous_response_id": "resp_1"}, "previous_response_id"),
         ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}}, "text.format"),
         ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type"),
-        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0]"),
+        ({"input": [{"role": "user", "content": [{"type": "input_video", "url": "x"}]}]}, "input[0].content[0]"),
+        ({"conversation": "conv_1"}, "conversation"),
+        ({"background": True}, "background"),
+        ({"tools": [{"type": "spreadsheet"}]}, "tools[0].type"),
+        ({"tools": [{"type": "function", "parameters": {}}]}, "tools[0].name"),
+        ({"input": [{"type": "compaction_trigger"}, {"role": "user", "content": "x"}]}, "input[0]"),
         ({"input": [{"role": "critic", "content": "x"}]}, "input[0].role"),
         ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input[0].call_id"),
         ({"input": []}, "input"),
@@ -135,7 +141,7 @@ def foreign(payload: bytes) -> str:
 def test_a_malformed_or_foreign_compaction_item_is_refused_naming_it(encoding: str) -> None:
     items = [*coding_items(1), {"type": "compaction", "encrypted_content": encoding}, {"role": "user", "content": "x"}]
     with pytest.raises(InvalidInput) as caught:
-        input_messages(items)
+        input_messages(items)  # raises
     assert caught.value.field == "input[4].encrypted_content"
 
 
@@ -144,7 +150,7 @@ def test_everything_before_the_last_compaction_item_is_ignored() -> None:
     item = {"type": "compaction", "id": "cmp_1", "encrypted_content": encode(carried), "messages": ["ignored"]}
     old = {"type": "compaction", "encrypted_content": "garbage, never read"}
     items = [old, *coding_items(2), item, {"role": "user", "content": "Next?"}]
-    assert input_messages(items) == [
+    assert input_messages(items)[0] == [
         {"role": "user", "content": "Summary of the earlier conversation (compacted):\nA."},
         {"role": "user", "content": "Next?"},
     ]
@@ -241,7 +247,7 @@ async def test_compact_returns_the_kept_user_messages_and_one_item_standing_for_
     ]
     ResponseCompactionItem.model_validate(out["output"][-1])
     assert ResponseUsage.model_validate(out["usage"]).input_tokens == result.stats.prompt_tokens > 0
-    following = input_messages([*out["output"], {"role": "user", "content": "Go on."}])
+    following, _ = input_messages([*out["output"], {"role": "user", "content": "Go on."}])
     assert following[-2:] == [
         {"role": "user", "content": "Which module has the bug?"},
         {"role": "user", "content": "Go on."},

@@ -241,21 +241,43 @@ def test_the_sdks_raise_their_own_errors(service: Any) -> None:
 
 def test_the_openai_agents_sdks_compaction_session_compacts_through_the_service(service: Any) -> None:
     """The Agents SDK, unmodified: an agent on /v1/responses whose session calls /v1/responses/compact itself
-    once four model items have piled up, and goes on from the compaction item."""
+    once four model items have piled up, and goes on from the compaction item. Every turn is a tool call the
+    agent is made to send (a named tool_choice, a strict schema: the engine's grammar writes it, so the turn ends
+    the same way on any machine) and the tool's answer ends the run: tool calls and their results round-trip
+    through the service, and through its compaction."""
     import asyncio
+    from typing import Literal
 
-    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, SQLiteSession, set_tracing_disabled
+    from agents import (
+        Agent,
+        ModelSettings,
+        OpenAIResponsesModel,
+        Runner,
+        SQLiteSession,
+        function_tool,
+        set_tracing_disabled,
+    )
     from agents.memory import OpenAIResponsesCompactionSession
     from openai import AsyncOpenAI
 
     set_tracing_disabled(True)  # no trace export to api.openai.com
     steps = [f"Step {i}: " + " ".join(f"module_{i}.py line {n} splits on commas." for n in range(30)) for i in range(5)]
+    calls: list[str] = []
+
+    @function_tool
+    def record(verdict: Literal["ok", "fail"]) -> str:
+        """Record the step's verdict."""
+        calls.append(verdict)
+        return f"recorded {verdict}"
 
     async def run() -> tuple[list[Any], list[str]]:
         client = AsyncOpenAI(base_url=f"{service.url}/v1", api_key=SERVICE_KEY, max_retries=0)
-        settings = ModelSettings(max_tokens=64, temperature=0, store=False)  # a reply that stops by itself
+        settings = ModelSettings(max_tokens=64, temperature=0, store=False, tool_choice="record")
         model = OpenAIResponsesModel(model=SERVED_ALIAS, openai_client=client)
-        agent = Agent(name="coder", instructions="Reply with the single word OK.", model=model, model_settings=settings)
+        agent = Agent(
+            name="coder", instructions="Record the verdict of each step.", model=model, model_settings=settings,
+            tools=[record], tool_use_behavior="stop_on_first_tool",
+        )  # fmt: skip
         key = session()
         compacting = OpenAIResponsesCompactionSession(
             key,
@@ -269,7 +291,7 @@ def test_the_openai_agents_sdks_compaction_session_compacts_through_the_service(
         return await compacting.get_items(), answers
 
     items, answers = asyncio.run(run())
-    assert all(a.strip() for a in answers)
+    assert len(calls) == len(steps) and all(a.startswith("recorded ") for a in answers), (calls, answers)
     kinds = [item.get("type") for item in items if isinstance(item, dict)]
     assert "compaction" in kinds, kinds  # the session's history now starts from our compaction item
-    assert len(items) < 2 * len(steps)  # shorter than the ten items the five turns left
+    assert len(items) < 3 * len(steps)  # shorter than the 15 items (message, call, output) the five turns left

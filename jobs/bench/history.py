@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
 
     trace = coding_trace(args.seed, args.tokens, HFChatTokenizer.from_path(fetch()))
     say(f"coding-agent session: seed {args.seed}, {len(trace.messages)} messages, about {args.tokens} tokens")
-    service_args = {**replicas(args.replicas), "compaction_timeout_s": args.timeout_s}
+    service_args = {**replicas(args.replicas), "admission": {"timeout_s": args.timeout_s}}
     port, wait_s = args.port or free_port(), args.timeout_s + 60
     with (
         local_service(port, service_args) as (service, reset),

@@ -34,14 +34,14 @@ import psutil
 from jobs.bench.common import MODEL, replicas, sayer
 from jobs.bench.processes import rss_bytes, service_processes
 
-LIMITS = {"max_concurrent_compactions": 2, "max_queued_compactions": 4}
+LIMITS = {"max_running": 2, "max_queued": 4}
 MAX_BYTES = 1_000_000
 ARGS = {
     "models": [MODEL],
     **replicas(2),
     "coordinator_replicas": 2,
     "max_request_bytes": MAX_BYTES,
-    **LIMITS,
+    "admission": LIMITS,
 }
 OPTIONS = {"strategy": "parallel", "chunk_tokens": 256, "max_chunk_summary_tokens": 24}
 TURNS_PER_SESSION = 40
@@ -148,7 +148,7 @@ async def bursts(client: httpx.AsyncClient, tally: Tally, until: float, every_s:
     while time.monotonic() + every_s < until:
         await asyncio.sleep(every_s)
         n += 1
-        size = 3 * 2 * (LIMITS["max_concurrent_compactions"] + LIMITS["max_queued_compactions"])
+        size = 3 * 2 * (LIMITS["max_running"] + LIMITS["max_queued"])
         bodies = [{"model": MODEL, "messages": history(4, f"burst{n}-{i}"), **OPTIONS} for i in range(size)]
         results = await asyncio.gather(*(client.post("/v1/compact", json=b) for b in bodies), return_exceptions=True)
         for result in results:

@@ -2,15 +2,17 @@
 
 A session loops: wait `think_s` (tools, the user), append the next observation of its stream (a LoCoMo session or a
 HotpotQA paragraph per turn, as `jobs.data.episodes` builds them, counted in tokens), then send one turn (prompt =
-the history, `answer_tokens` out) to its home replica. Compaction (issue 8's two modes):
-  - blocking: the turn whose prompt would cross `tau` first waits for the whole compaction of the history;
-  - background: the first turn crossing `background_fraction x tau` starts compacting that snapshot at background
-    priority (`yielding`: its prompts prefill only while the replica runs no agent request) and goes on at once;
-    when it is done, its compacted prompt is prefilled on the home replica at background priority too (`warm`), and
-    the session's next turn continues from the summary plus everything after the snapshot (`apply_background`
-    "ready"; "threshold": only the turn crossing `tau`). The turn crossing `tau` while it still runs raises it to
-    the agent's priority and waits only for the rest. A refused or missing background result falls back to a
-    blocking compaction.
+the history, `answer_tokens` out) to its home replica. What each turn does about compaction is the service's own
+rule (`compaction.turn_policy.decide`, over the entry `SimConfig.entry` builds, with the session's recent growth
+and idle time as the service measures them):
+  - blocking: the turn whose prompt passes `tau` waits for the whole compaction of the history;
+  - background: a turn past `background_share x tau` (or one turn's growth short of `tau`), of an agent that leaves
+    the engine idle, starts compacting that snapshot at background priority (`yielding`: its prompts prefill only
+    while the replica runs no agent request) and goes on at once; when it is done, its compacted prompt is
+    prefilled on the home replica at background priority too (`warm`), and the session's next turn continues from
+    the summary plus everything after the snapshot (`apply_background` "ready"; "threshold": only the turn passing
+    `tau`). The turn passing `tau` while it still runs raises it to the agent's priority and waits only for the
+    rest. A refused background run leaves the turn past `tau` to compact blocking.
 A refused blocking compaction (429) is retried after `retry_after_s`; the wait counts as stall.
 """
 
@@ -27,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from compaction.options import CompactionOptions, Layout, Strategy
 from compaction.pacing import AGENT, BACKGROUND
+from compaction.turn_policy import Background, ContextManagement, decide, wants_background
 from jobs.agent.tools import ToolTime
 from jobs.sim.cluster import Cluster, CompactionJob, CompactionOutcome
 from jobs.sim.shapes import ChunkTokens, prompt_lengths
@@ -38,6 +41,7 @@ Dataset = Literal["locomo", "hotpotqa", "synthetic"]
 GENERATION_PROMPT_TOKENS = 3  # "<|im_start|>assistant\n": opens the answer, stays in the history
 END_OF_TURN_TOKENS = 2  # "<|im_end|>\n" after the answer
 SUMMARY_HEADER_TOKENS = 16  # the user turn that carries the merged summary
+RECENT_TURNS = 4  # the turns whose growth and idle time the service weighs (serving.turns.RECENT_TURNS)
 
 
 class SimConfig(BaseModel):
@@ -51,7 +55,7 @@ class SimConfig(BaseModel):
     policy: PlacementMode = Field("auto", description="Compaction placement (serving.routing).")
     mode: Mode = Field("blocking", description="blocking: the crossing turn waits; background: soft threshold first.")
     tau: int = Field(32_768, ge=1024, le=1_048_576, description="compact_threshold: compact before a prompt this long.")
-    background_fraction: float = Field(
+    background_share: float = Field(
         0.75, gt=0.05, lt=1.0, description="background mode: soft threshold as a share of tau."
     )
     yielding: bool = Field(
@@ -96,6 +100,14 @@ class SimConfig(BaseModel):
 
     def options(self) -> CompactionOptions:
         return CompactionOptions(strategy=self.strategy, chunk_tokens=self.chunk_tokens, layout=self.layout)
+
+    def entry(self) -> ContextManagement:
+        """The context_management entry the service would be sent for this run's compaction policy."""
+        background = int(self.background_share * self.tau) if self.mode == "background" else None
+        return ContextManagement(
+            type="compaction", compact_threshold=self.tau, background_threshold=background,
+            keep_recent_tokens=self.keep_recent_tokens, apply_background=self.apply_background,
+        )  # fmt: skip
 
 
 @dataclass
@@ -158,6 +170,8 @@ class Session:
         start = rng.uniform(0, config.tau * 0.95) if config.warm_start else 0.0
         self.tokens = config.system_tokens + int(start)
         self.background: _Background | None = None
+        self.growths: tuple[int, ...] = ()  # how much each of its last turns grew the prompt (as the ingress counts)
+        self.gaps: tuple[float, ...] = ()  # its last idle times between a reply and the next turn
 
     @property
     def namespace(self) -> Hashable:
@@ -185,31 +199,45 @@ class Session:
 
     def run(self, recorder: Recorder) -> Generator[simpy.Event, Any, None]:
         env, c = self.cluster.env, self.config
+        entry = c.entry()
         yield env.timeout(self.rng.uniform(0, c.ramp_s))
         recorder.session_s += max(0.0, c.duration_s - env.now)
         while env.now < c.duration_s:
-            if c.tool_model == "codex":
-                yield env.timeout(CODEX.draw(self.rng))
-            elif c.think_s:
-                yield env.timeout(self.rng.expovariate(1 / c.think_s))
+            think = self._think()
+            yield env.timeout(think)
+            self.gaps = (*self.gaps, think)[-RECENT_TURNS:]
             observation = self.stream[self.position % len(self.stream)]
             self.position += 1
             self.tokens += observation
-            if c.mode == "background" and self.background is None and self.tokens >= c.background_fraction * c.tau:
+            growth, idle = max(self.growths, default=0), sum(self.gaps) / len(self.gaps)
+            action = decide(self.tokens, entry, self._state(), True, growth, idle)
+            if action == "start_background":
                 self._start_background(observation)
-            ready = self.background.ready if self.background is not None else None
-            if c.apply_background == "ready" and ready is not None and ready.triggered and self.tokens < c.tau:
-                done = cast(CompactionOutcome, ready.value)
-                if done.admitted:
-                    yield from self._compact(observation, recorder)
-                else:  # refused: the turn that crosses tau compacts
-                    recorder.refused += 1
-                    self.background = None
-            if self.tokens >= c.tau:
+            elif action in ("apply", "wait", "compact"):
                 yield from self._compact(observation, recorder)
+                if wants_background(self.tokens, growth, entry, idle):  # the compacted prompt is the next snapshot
+                    self._start_background(observation)
             turn = self.cluster.turn(self.id, self.namespace, self.tokens + GENERATION_PROMPT_TOKENS, c.answer_tokens)
             yield turn.done
+            grown = observation + GENERATION_PROMPT_TOKENS + c.answer_tokens + END_OF_TURN_TOKENS
+            self.growths = (*self.growths, grown)[-RECENT_TURNS:]
             self.tokens += GENERATION_PROMPT_TOKENS + c.answer_tokens + END_OF_TURN_TOKENS
+
+    def _think(self) -> float:
+        """The agent's time in its tools (or the user's) before its next turn."""
+        c = self.config
+        if c.tool_model == "codex":
+            return CODEX.draw(self.rng)
+        return self.rng.expovariate(1 / c.think_s) if c.think_s else 0.0
+
+    def _state(self) -> Background:
+        """The session's background run as the service's turn policy sees it."""
+        if self.background is None:
+            return "absent"
+        if not self.background.ready.triggered:
+            return "running"
+        done = cast(CompactionOutcome, self.background.ready.value)
+        return "done" if done.admitted else "failed"
 
     def _start_background(self, observation: int) -> None:
         env, c = self.cluster.env, self.config

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from compaction.context_edits import Edit
 from compaction.errors import InvalidInput
 from compaction.history import Message, parse_messages
 from serving.turns import WIRE_FIELD, TurnCompaction
@@ -42,6 +43,11 @@ class ChatCall:
     echo: dict[str, Any] = field(default_factory=dict)  # request fields the answer repeats
     pause: bool = False  # Messages' pause_after_compaction: an applied compaction is answered alone
     fields: dict[str, str] = field(default_factory=dict)  # chat-side field name prefix -> this format's name
+    namespaces: dict[str, str] = field(default_factory=dict)  # a flattened tool's name -> its namespace (Responses)
+    compact_now: bool = False  # the client asked for a compaction and nothing else (Codex's compaction_trigger)
+    edits: tuple[Edit, ...] = ()  # Anthropic context edits other than compaction, applied before the turn
+    thinking: tuple[int, str] = (0, "")  # thinking the request carried and dropped: assistant turns, its text
+    applied_edits: tuple[dict[str, Any], ...] = ()  # the context edits applied, as Anthropic reports them
 
     def wire_field(self, name: str) -> str:
         """A chat-side field name (of an InvalidInput) as this format names it."""

@@ -2,20 +2,28 @@
 
 Request -> chat body:
     system (a string or text blocks)     -> a leading system message (not carried by a compaction block)
-    text blocks -> message text; tool_use -> assistant tool_calls; tool_result -> tool messages (before the
-      user's text); thinking blocks are dropped; compaction: everything before the last one is ignored, and
-      it expands in place to the messages it carries (see below)
-    tools (input_schema -> parameters), tool_choice, max_tokens, stop_sequences -> stop, temperature,
-      top_p, top_k, stream
+    messages: user, assistant and (mid-conversation) system messages; text blocks -> message text;
+      image, document and search_result blocks -> a one-line placeholder (this model reads text);
+      tool_use -> assistant tool_calls; tool_result -> tool messages (before the user's text); thinking
+      blocks and the blocks of Anthropic's server tools are dropped; compaction: everything before the
+      last one is ignored, and it expands in place to the messages it carries (see below)
+    tools: custom tools (input_schema -> parameters); Anthropic's server and built-in tools are left out;
+      tool_choice, max_tokens, stop_sequences -> stop, temperature, top_p, top_k, stream
+    output_config.format (json_schema) -> response_format (the engine's grammar follows the schema);
+      output_config.effort, thinking, cache_control, service_tier: accepted, not acted on
     context_management.edits: [{"type": "compact_20260112", "trigger": {"type": "input_tokens", "value": N},
       "pause_after_compaction": bool, "instructions": str, ...our options}] -> our compaction entry with
-      compact_threshold N (no 50,000-token minimum); `instructions` are appended to our summary prompt
-    session: the x-session-id header, else metadata.user_id
+      compact_threshold N (no 50,000-token minimum); `instructions` are appended to our summary prompt;
+      clear_tool_uses_20250919 and clear_thinking_20251015 are applied as Anthropic documents them
+      (compaction.context_edits) and reported in `context_management.applied_edits`
+    session: the x-session-id header, else metadata.user_id (its session_id when it is Claude Code's JSON)
 Chat answer -> Message: a compaction block first when one was applied (`content`: the readable summary,
-`encrypted_content`: the codec's encoding of everything it replaces), then text and tool_use blocks;
-`usage.iterations` holds the compaction's own entry and the message's. With pause_after_compaction an
-applied compaction is answered alone (`stop_reason: "compaction"`); the client sends the block back to
-get the reply. A block without `encrypted_content` (another server's) is read as a summary message.
+`encrypted_content`: the codec's encoding of everything it replaces; both already in content_block_start,
+which is all Claude Code keeps of a streamed block), then text and tool_use blocks; `usage.iterations`
+holds the compaction's own entry and the message's. With pause_after_compaction an applied compaction is
+answered alone (`stop_reason: "compaction"`); the client sends the block back to get the reply. A block
+without `encrypted_content` (another server's) is read as a summary message; a block holding nothing is
+refused, naming it.
 """
 
 from __future__ import annotations
@@ -25,8 +33,9 @@ import uuid
 from collections.abc import AsyncIterable, AsyncIterator, Iterator
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from compaction.context_edits import CLEAR_THINKING, CLEAR_TOOL_USES, Edit, parse_edit
 from compaction.errors import InvalidInput
 from compaction.history import Message
 from compaction.plan import SUMMARY_HEADER
@@ -35,6 +44,14 @@ from serving.wire.codec import ChatCall, decode, dumps, encode, outcome_json, se
 from serving.wire.sse import event
 
 EDIT_TYPE = "compact_20260112"
+OTHER_EDITS = frozenset({CLEAR_TOOL_USES, CLEAR_THINKING})
+PLACEHOLDER_BLOCKS = {"image": "[an image]", "document": "[a document]", "search_result": "[a search result]"}
+# Blocks of Anthropic's server tools: work done on Anthropic's side, nothing this model can be shown.
+SERVER_BLOCKS = frozenset({
+    "server_tool_use", "web_search_tool_result", "web_fetch_tool_result", "code_execution_tool_result",
+    "bash_code_execution_tool_result", "text_editor_code_execution_tool_result", "mcp_tool_use", "mcp_tool_result",
+    "container_upload", "tool_search_tool_result",
+})  # fmt: skip
 Unused = Any  # a field clients send that changes nothing here; accepted so that unmodified clients work
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 
@@ -56,11 +73,17 @@ class CountTokensRequest(BaseModel):
     model: str = Field(min_length=1, max_length=256, description="A hosted model (GET /v1/models).")
     messages: list[Any] = Field(min_length=1, description="User and assistant messages (see docs/wire-formats.md).")
     system: str | list[Any] | None = None
-    tools: list[Tool] | None = None
+    tools: list[dict[str, Any]] | None = Field(
+        None, max_length=1024, description="Custom tools; Anthropic's server and built-in tools are left out."
+    )
     tool_choice: dict[str, Any] | None = None
     context_management: dict[str, Any] | None = None
-    thinking: dict[str, Any] | None = Field(None, description='Only {"type": "disabled"}.')
+    thinking: Unused = Field(None, description="Accepted, not acted on: this service's models do not think.")
+    output_config: dict[str, Any] | None = Field(
+        None, description="format (json_schema) is served as a grammar; effort is accepted, not acted on."
+    )
     cache_control: Unused = None
+    mcp_servers: Unused = Field(None, description="Accepted, not acted on: connect MCP servers in the client.")
 
 
 class MessagesRequest(CountTokensRequest):
@@ -78,20 +101,25 @@ class MessagesRequest(CountTokensRequest):
 
 def to_chat(request: CountTokensRequest, header_session: str | None) -> ChatCall:
     """The chat completion body of a Messages (or count_tokens) request. Raises InvalidInput naming the field."""
-    if (request.thinking or {}).get("type", "disabled") != "disabled":
-        raise InvalidInput("thinking.type", 'extended thinking is not served; send {"type": "disabled"} or nothing')
     system = _system(request.system)
-    body: dict[str, Any] = {"model": request.model, "messages": system + chat_messages(request.messages)}
-    if request.tools:
-        body["tools"] = [{"type": "function", "function": _function(t)} for t in request.tools]
+    messages, thinking = chat_messages(request.messages)
+    body: dict[str, Any] = {"model": request.model, "messages": system + messages}
+    tools = _tools(request.tools or [])
+    if tools:
+        body["tools"] = [{"type": "function", "function": _function(t)} for t in tools]
     if request.tool_choice is not None:
-        body["tool_choice"] = _tool_choice(request.tool_choice)
-    entry, pause, at = _compaction_entry(request.context_management)
+        choice = _tool_choice(request.tool_choice)
+        if tools:  # no custom tool offered (server tools only): nothing to choose
+            body["tool_choice"] = choice
+    schema = _output_schema(request.output_config)
+    if schema is not None:
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}
+    entry, pause, at, edits = _edits(request.context_management)
     if entry is not None:
         body["context_management"] = [entry]
     fields = {"context_management[0].compact_threshold": f"{at}.trigger.value", "context_management[0]": at}
     if not isinstance(request, MessagesRequest):
-        return ChatCall(body, system=bool(system), fields=fields)
+        return ChatCall(body, system=bool(system), fields=fields, edits=edits, thinking=thinking)
     options = {
         "max_tokens": request.max_tokens,
         "stop": request.stop_sequences,
@@ -102,10 +130,47 @@ def to_chat(request: CountTokensRequest, header_session: str | None) -> ChatCall
         "stream_options": {"include_usage": True} if request.stream else None,
     }
     body.update({k: v for k, v in options.items() if v is not None})
-    user = (request.metadata or {}).get("user_id")
-    session, field = session_of(header_session, user, "metadata.user_id")
+    session, field = session_of(
+        header_session, _user_session((request.metadata or {}).get("user_id")), "metadata.user_id"
+    )
     echo = {"model": request.model, "stop_sequences": request.stop_sequences or []}
-    return ChatCall(body, session, field, bool(system), echo, pause, fields)
+    return ChatCall(body, session, field, bool(system), echo, pause, fields, edits=edits, thinking=thinking)
+
+
+def _user_session(user_id: Any) -> Any:
+    """metadata.user_id as a session id: Claude Code's JSON ({"device_id", "session_id", ...}) gives its
+    session_id; any other value is the id itself."""
+    if isinstance(user_id, str) and user_id.startswith("{"):
+        try:
+            parsed = json.loads(user_id)
+        except json.JSONDecodeError:
+            return user_id
+        if isinstance(parsed, dict) and isinstance(parsed.get("session_id"), str) and parsed["session_id"]:
+            return parsed["session_id"]
+    return user_id
+
+
+def _tools(raw: list[dict[str, Any]]) -> list[Tool]:
+    """The custom tools (no type, or "custom"); Anthropic's typed server and built-in tools are left out."""
+    out = []
+    for i, tool in enumerate(raw):
+        if tool.get("type") not in (None, "custom"):
+            continue
+        try:
+            out.append(Tool.model_validate(tool))
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            raise InvalidInput(f"tools[{i}].{'.'.join(map(str, first['loc']))}".rstrip("."), first["msg"]) from exc
+    return out
+
+
+def _output_schema(config: dict[str, Any] | None) -> dict[str, Any] | None:
+    fmt = (config or {}).get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
+        raise InvalidInput("output_config.format", 'send {"type": "json_schema", "schema": {...}}')
+    return dict(fmt["schema"])
 
 
 def _system(system: str | list[Any] | None) -> list[dict[str, Any]]:
@@ -115,28 +180,40 @@ def _system(system: str | list[Any] | None) -> list[dict[str, Any]]:
     return [{"role": "system", "content": text}]
 
 
-def _texts(blocks: list[Any], at: str) -> list[str]:
+def _texts(blocks: list[Any], at: str, placeholders: dict[str, str] | None = None) -> list[str]:
+    """The text of text blocks (and `placeholders` for the other kinds they name)."""
     out = []
     for j, block in enumerate(blocks):
-        if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
+        kind = block.get("type") if isinstance(block, dict) else None
+        if placeholders and kind in placeholders:
+            out.append(placeholders[kind])
+        elif kind != "text" or not isinstance(block.get("text"), str):
             raise InvalidInput(f"{at}[{j}]", "only text blocks are served here")
-        out.append(block["text"])
+        else:
+            out.append(block["text"])
     return out
 
 
-def _compaction_entry(config: dict[str, Any] | None) -> tuple[dict[str, Any] | None, bool, str]:
-    """Our compaction entry from the compact edit, whether to pause after it, and the edit's field."""
+def _edits(config: dict[str, Any] | None) -> tuple[dict[str, Any] | None, bool, str, tuple[Edit, ...]]:
+    """Our compaction entry from the compact edit, whether to pause after it, the edit's field, and the other
+    edits (applied by the ingress, compaction.context_edits)."""
     edits = (config or {}).get("edits", [])
     if config and set(config) - {"edits"}:
         raise InvalidInput("context_management", "only edits are served")
     if not isinstance(edits, list):
         raise InvalidInput("context_management.edits", "must be a list of edits")
     found: tuple[dict[str, Any] | None, bool, str] = (None, False, "context_management.edits[0]")
+    others: list[Edit] = []
     for i, edit in enumerate(edits):
         at = f"context_management.edits[{i}]"
         kind = edit.get("type") if isinstance(edit, dict) else None
+        if kind in OTHER_EDITS:
+            assert isinstance(edit, dict)
+            others.append(parse_edit(edit, at))
+            continue
         if kind != EDIT_TYPE:
-            raise InvalidInput(f"{at}.type", f"unsupported edit {kind!r}; the one served is {EDIT_TYPE!r}")
+            served = ", ".join(sorted({EDIT_TYPE, *OTHER_EDITS}))
+            raise InvalidInput(f"{at}.type", f"unsupported edit {kind!r}; the ones served are {served}")
         if found[0] is not None:
             raise InvalidInput(at, "only one compaction edit is allowed")
         assert isinstance(edit, dict)
@@ -150,29 +227,30 @@ def _compaction_entry(config: dict[str, Any] | None) -> tuple[dict[str, Any] | N
             raise InvalidInput(f"{at}.pause_after_compaction", "must be true or false")
         ours = {k: v for k, v in edit.items() if k not in ("type", "trigger", "pause_after_compaction")}
         found = ({**ours, "type": "compaction", "compact_threshold": trigger["value"]}, pause, at)
-    return found
+    return (*found, tuple(others))
 
 
 def _last_compaction(messages: list[Any]) -> tuple[int, int]:
-    """(message, block) of the last compaction block that holds something; (0, 0) when there is none."""
+    """(message, block) of the last compaction block; (0, 0) when there is none."""
     last = (0, 0)
     for i, message in enumerate(messages):
         content = message.get("content") if isinstance(message, dict) else None
         for j, block in enumerate(content if isinstance(content, list) else []):
-            holds = isinstance(block, dict) and any(block.get(k) is not None for k in ("content", "encrypted_content"))
-            if holds and block.get("type") == "compaction":
+            if isinstance(block, dict) and block.get("type") == "compaction":
                 last = (i, j)
     return last
 
 
-def chat_messages(messages: list[Any]) -> list[dict[str, Any]]:
-    """Chat messages of `messages`; everything before the last compaction block is ignored."""
+def chat_messages(messages: list[Any]) -> tuple[list[dict[str, Any]], tuple[int, str]]:
+    """Chat messages of `messages` (everything before the last compaction block is ignored), and the thinking
+    the request carried: (assistant turns with thinking blocks, their text) - dropped here."""
     first, first_block = _last_compaction(messages)
     out: list[dict[str, Any]] = []
+    turns, thoughts = 0, []
     for i in range(first, len(messages)):
         message, at = messages[i], f"messages[{i}]"
-        if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
-            raise InvalidInput(f"{at}.role", "each message is an object with role user or assistant")
+        if not isinstance(message, dict) or message.get("role") not in ("user", "assistant", "system"):
+            raise InvalidInput(f"{at}.role", "each message is an object with role user, assistant or system")
         content = message.get("content")
         if isinstance(content, str):
             out.append({"role": message["role"], "content": content})
@@ -180,8 +258,12 @@ def chat_messages(messages: list[Any]) -> list[dict[str, Any]]:
         if not isinstance(content, list):
             raise InvalidInput(f"{at}.content", "must be a string or a list of content blocks")
         start = first_block if i == first else 0
-        out = _turn(out, message["role"], list(enumerate(content))[start:], f"{at}.content")
-    return out
+        blocks = list(enumerate(content))[start:]
+        thought = [b.get("thinking") for _, b in blocks if isinstance(b, dict) and b.get("type") == "thinking"]
+        turns += bool(thought)
+        thoughts += [t for t in thought if isinstance(t, str)]
+        out = _turn(out, message["role"], blocks, f"{at}.content")
+    return out, (turns, "\n".join(thoughts))
 
 
 def _turn(out: list[dict[str, Any]], role: str, blocks: list[tuple[int, Any]], at: str) -> list[dict[str, Any]]:
@@ -193,19 +275,20 @@ def _turn(out: list[dict[str, Any]], role: str, blocks: list[tuple[int, Any]], a
         where = f"{at}[{j}]"
         kind = block.get("type") if isinstance(block, dict) else None
         if kind == "compaction":
-            if block.get("content") is not None or block.get("encrypted_content") is not None:
-                out = _expand(block, where)  # (a block with neither is a failed compaction: a no-op)
+            out = _expand(block, where)
         elif kind == "text" and isinstance(block.get("text"), str):
             texts.append(block["text"])
+        elif kind in PLACEHOLDER_BLOCKS:
+            texts.append(PLACEHOLDER_BLOCKS[kind])
         elif kind == "tool_use" and role == "assistant":
             calls.append(_call(block, where))
         elif kind == "tool_result" and role == "user":
             results.append(_result(block, where))
-        elif kind not in ("thinking", "redacted_thinking"):
+        elif kind not in ("thinking", "redacted_thinking") and kind not in SERVER_BLOCKS:
             raise InvalidInput(
                 f"{where}.type",
-                f"unsupported block {kind!r} in a {role} message; send text, tool_use (assistant), tool_result "
-                "(user) or compaction blocks",
+                f"unsupported block {kind!r} in a {role} message; send text, image, document, tool_use (assistant), "
+                "tool_result (user) or compaction blocks",
             )
     out.extend(results)
     if role == "assistant" and (texts or calls):
@@ -213,7 +296,7 @@ def _turn(out: list[dict[str, Any]], role: str, blocks: list[tuple[int, Any]], a
             {"role": "assistant", "content": "\n".join(texts) or None, **({"tool_calls": calls} if calls else {})}
         )
     elif texts:
-        out.append({"role": "user", "content": "\n".join(texts)})
+        out.append({"role": role, "content": "\n".join(texts)})
     return out
 
 
@@ -223,7 +306,11 @@ def _expand(block: dict[str, Any], at: str) -> list[dict[str, Any]]:
         return dumps(decode(block["encrypted_content"], f"{at}.encrypted_content"))
     summary = block.get("content")
     if not isinstance(summary, str) or not summary.strip():
-        raise InvalidInput(f"{at}.content", "a compaction block's content is its summary text; it may not be empty")
+        raise InvalidInput(
+            f"{at}.content",
+            "this compaction block holds nothing (no encrypted_content, no summary text); send the block back as "
+            "the service sent it (its content_block_start carries both), or drop it and send the messages it replaced",
+        )
     text = summary if summary.startswith(SUMMARY_HEADER) else f"{SUMMARY_HEADER}\n{summary}"
     return [{"role": "user", "content": text}]
 
@@ -239,7 +326,7 @@ def _result(block: dict[str, Any], at: str) -> dict[str, Any]:
     if not isinstance(block.get("tool_use_id"), str):
         raise InvalidInput(f"{at}.tool_use_id", "must be a string: the id of the tool_use it answers")
     content = block.get("content", "")
-    text = content if isinstance(content, str) else "\n".join(_texts(content, f"{at}.content"))
+    text = content if isinstance(content, str) else "\n".join(_texts(content, f"{at}.content", PLACEHOLDER_BLOCKS))
     if block.get("is_error"):
         text = f"Error: {text}"
     return {"role": "tool", "tool_call_id": block["tool_use_id"], "content": text}
@@ -249,6 +336,8 @@ def _function(tool: Tool) -> dict[str, Any]:
     function: dict[str, Any] = {"name": tool.name, "parameters": tool.input_schema}
     if tool.description is not None:
         function["description"] = tool.description
+    if tool.strict is not None:  # strict: the engine constrains a forced call's input to the schema
+        function["strict"] = bool(tool.strict)
     return function
 
 
@@ -307,7 +396,12 @@ def stop_reason(choice: dict[str, Any], call: ChatCall) -> tuple[str, str | None
 
 def _envelope(call: ChatCall, content: list[dict[str, Any]], reason: str | None, stop: str | None) -> dict[str, Any]:
     return {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "model": call.echo["model"],
-            "content": content, "stop_reason": reason, "stop_sequence": stop}  # fmt: skip
+            "content": content, "stop_reason": reason, "stop_sequence": stop, **_edits_report(call)}  # fmt: skip
+
+
+def _edits_report(call: ChatCall) -> dict[str, Any]:
+    """`context_management.applied_edits` when the request asked for context edits (Anthropic's report)."""
+    return {"context_management": {"applied_edits": list(call.applied_edits)}} if call.edits else {}
 
 
 def paused(call: ChatCall, outcome: TurnCompaction, forwarded: list[dict[str, Any]]) -> dict[str, Any]:
@@ -378,7 +472,7 @@ async def stream(
     out = _Stream()
     block = compaction_block(outcome, call, forwarded)
     if block is not None:
-        for text in out.block("compaction", {"type": "compaction", "content": None, "encrypted_content": None}):
+        for text in out.block("compaction", block):  # whole: a client may keep only what the start event carried
             yield text
         yield out.delta({"type": "compaction_delta", **{k: block[k] for k in ("content", "encrypted_content")}})
     if chunks is None:
@@ -406,7 +500,12 @@ async def stream(
         yield text
     reason, stop = stop_reason(last, call)
     delta = {"stop_reason": reason, "stop_sequence": stop}
-    final = {"delta": delta, "usage": usage(chat_usage, outcome), "compaction": outcome_json(outcome)}
+    final = {
+        "delta": delta,
+        "usage": usage(chat_usage, outcome),
+        "compaction": outcome_json(outcome),
+        **_edits_report(call),
+    }
     yield event("message_delta", {"type": "message_delta", **final})
     yield event("message_stop", {"type": "message_stop"})
 

@@ -3,35 +3,59 @@
 Request -> chat body:
     instructions                         -> a leading system message (not carried by a compaction item)
     input: str                           -> one user message
-    input items: message (input_text / output_text parts; developer -> system), function_call (merged
-      into the assistant message before it), function_call_output (-> tool message), reasoning (ignored),
-      compaction (everything before the last one is ignored; it expands in place to its messages)
-    tools (function tools), tool_choice, max_output_tokens -> max_tokens, temperature, top_p, stream
+    input items: message (text parts; an image or file part becomes a one-line placeholder; developer ->
+      system; extra keys such as id, status or a client's metadata are ignored), function_call (merged
+      into the assistant message before it; a namespaced call keeps its plain name), function_call_output
+      (-> tool message; text parts joined), custom_tool_call / local_shell_call and their outputs (as
+      function calls), reasoning and hosted tools' call items (ignored), compaction (everything before the
+      last one is ignored; it expands in place to its messages), compaction_trigger (only last: compact
+      now, answered by exactly one compaction item, as Codex's remote compaction expects)
+    tools: function tools, and the function tools of a `namespace` tool flattened (a call comes back with
+      its namespace); hosted tools (web_search, file_search, ...) are left out: the model cannot run them
+    tool_choice, max_output_tokens -> max_tokens, temperature, top_p, stream
     context_management: [{"type": "compaction", "compact_threshold": N, ...our options}] -> the same entry
     session: the x-session-id header, else prompt_cache_key
+    accepted and not acted on: store, include, reasoning, metadata, client_metadata, parallel_tool_calls,
+      truncation, user, safety_identifier, service_tier, prompt_cache_retention, stream_options,
+      top_logprobs, max_tool_calls (docs/wire-formats.md lists each)
 Chat answer -> Response: [compaction item when one was applied, message, function_call...], usage, status;
 streamed as response.created ... response.completed (the compaction item first).
-Responses are not stored: `previous_response_id` is refused (send the input items instead).
+Responses are not stored: `previous_response_id`, `conversation` and `background` are refused (send the
+input items instead).
 """
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import AsyncIterable, AsyncIterator, Iterator
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from compaction.errors import InvalidInput
 from compaction.history import Message
 from compaction.options import CompactionOptions
+from compaction.result import CompactionStats
 from serving.coordinator import ServiceResult
 from serving.turns import TurnCompaction
 from serving.wire.codec import ChatCall, decode, dumps, encode, item_id, outcome_json, session_of
 from serving.wire.sse import event
 
 TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
+PLACEHOLDER_PARTS = {"input_image": "[an image]", "input_file": "[a file]", "input_audio": "[audio]"}
+# Hosted tools run on OpenAI's servers; here the model cannot call them, so they are left out of the prompt.
+HOSTED_TOOLS = frozenset({
+    "web_search", "web_search_preview", "web_search_preview_2025_03_11", "file_search", "code_interpreter",
+    "computer_use_preview", "computer_use", "image_generation", "mcp", "local_shell", "custom", "apply_patch",
+})  # fmt: skip
+# Input items of hosted tools' calls: a record of work done elsewhere, nothing the model can be shown as a turn.
+HOSTED_ITEMS = frozenset({
+    "web_search_call", "file_search_call", "image_generation_call", "code_interpreter_call", "computer_call",
+    "computer_call_output", "mcp_call", "mcp_list_tools", "mcp_approval_request", "mcp_approval_response",
+})  # fmt: skip
+TRIGGER = "compaction_trigger"
 Unused = Any  # a field clients send that changes nothing here; accepted so that unmodified clients work
 
 
@@ -51,7 +75,9 @@ class ResponsesRequest(BaseModel):
     model: str = Field(min_length=1, max_length=256, description="A hosted model (GET /v1/models).")
     input: str | list[Any] = Field(description="A user message, or input items (see docs/wire-formats.md).")
     instructions: str | None = Field(None, description="A system message before the input, sent on every request.")
-    tools: list[FunctionTool] | None = None
+    tools: list[dict[str, Any]] | None = Field(
+        None, max_length=1024, description="Function tools, namespaces of them; hosted tools are left out."
+    )
     tool_choice: Literal["auto", "none", "required"] | dict[str, Any] | None = None
     max_output_tokens: int | None = Field(None, ge=1, le=1_048_576)
     temperature: float | None = Field(None, ge=0, le=2)
@@ -74,6 +100,12 @@ class ResponsesRequest(BaseModel):
     reasoning: Unused = None
     prompt_cache_retention: Unused = None
     stream_options: Unused = None
+    client_metadata: Unused = None
+    top_logprobs: Unused = None
+    max_tool_calls: Unused = None
+    background: bool | None = Field(None, description="Refused when true: responses are not stored.")
+    conversation: Unused = Field(None, description="Refused: conversations are not stored.")
+    prompt: Unused = Field(None, description="Refused: stored prompt templates are not served.")
 
 
 class CompactResponsesRequest(CompactionOptions):
@@ -86,27 +118,27 @@ class CompactResponsesRequest(CompactionOptions):
     prompt_cache_key: str | None = Field(None, description="The session id when no x-session-id header is sent.")
     keep_current_turn: bool = Field(True, description="The last user message and everything after it stay verbatim.")
 
-    def options(self) -> CompactionOptions:
-        return CompactionOptions.model_validate(self.model_dump(include=set(CompactionOptions.model_fields)))
-
 
 def to_chat(request: ResponsesRequest, header_session: str | None) -> ChatCall:
     """The chat completion body of a Responses request. Raises InvalidInput naming the field."""
-    if request.previous_response_id is not None:
-        raise InvalidInput(
-            "previous_response_id",
-            "responses are not stored here; send the whole conversation as input items (a compaction item "
-            "stands for everything before it)",
-        )
+    stored = {"previous_response_id": request.previous_response_id, "conversation": request.conversation}
+    for name, value in stored.items():
+        if value is not None:
+            raise InvalidInput(
+                name,
+                "responses are not stored here; send the whole conversation as input items (a compaction item "
+                "stands for everything before it)",
+            )
+    if request.background:
+        raise InvalidInput("background", "background responses are not served (nothing is stored); send stream")
+    if request.prompt is not None:
+        raise InvalidInput("prompt", "stored prompt templates are not served; send instructions and input")
     fmt = (request.text or {}).get("format")
     if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
         raise InvalidInput("text.format", 'only {"type": "text"} is served; structured output is not')
     system = [{"role": "system", "content": request.instructions}] if request.instructions else []
-    body: dict[str, Any] = {
-        "model": request.model,
-        "messages": system + input_messages(request.input),
-        "stream": request.stream,
-    }
+    messages, compact_now = input_messages(request.input, trigger_allowed=True)
+    body: dict[str, Any] = {"model": request.model, "messages": system + messages, "stream": request.stream}
     options = {
         "max_tokens": request.max_output_tokens,
         "temperature": request.temperature,
@@ -116,38 +148,75 @@ def to_chat(request: ResponsesRequest, header_session: str | None) -> ChatCall:
     body.update({k: v for k, v in options.items() if v is not None})
     if request.stream:
         body["stream_options"] = {"include_usage": True}
-    if request.tools:
-        body["tools"] = [{"type": "function", "function": _function(t)} for t in request.tools]
-    if request.tool_choice is not None:
-        body["tool_choice"] = _tool_choice(request.tool_choice)
+    functions, namespaces = _tools(request.tools or [])
+    if functions:
+        body["tools"] = [{"type": "function", "function": _function(t)} for t in functions]
+    choice = _tool_choice(request.tool_choice) if request.tool_choice is not None else None
+    if choice is not None and functions:  # no function tool offered (hosted ones only): nothing to choose
+        body["tool_choice"] = choice
     session, field = session_of(header_session, request.prompt_cache_key, "prompt_cache_key")
     echo = request.model_dump(include={"model", "instructions", "temperature", "top_p", "max_output_tokens"})
     echo |= {
-        "tools": [t.model_dump(exclude_none=True) for t in request.tools or []],
+        "tools": request.tools or [],
         "tool_choice": request.tool_choice or "auto",
         "prompt_cache_key": request.prompt_cache_key,
     }
-    return ChatCall(body, session, field, bool(system), echo)
+    return ChatCall(body, session, field, bool(system), echo, namespaces=namespaces, compact_now=compact_now)
+
+
+def _tools(raw: list[dict[str, Any]]) -> tuple[list[FunctionTool], dict[str, str]]:
+    """The function tools to offer the model (a namespace's flattened) and each namespaced tool's namespace."""
+    functions: list[FunctionTool] = []
+    namespaces: dict[str, str] = {}
+    for i, tool in enumerate(raw):
+        kind = tool.get("type")
+        if kind == "function":
+            functions.append(_function_tool(tool, f"tools[{i}]"))
+        elif kind == "namespace":
+            inner = tool.get("tools")
+            if not isinstance(tool.get("name"), str) or not isinstance(inner, list):
+                raise InvalidInput(f"tools[{i}]", "a namespace tool has a string name and a list of tools")
+            for j, member in enumerate(inner):
+                if isinstance(member, dict) and member.get("type", "function") == "function":
+                    functions.append(_function_tool({**member, "type": "function"}, f"tools[{i}].tools[{j}]"))
+                    namespaces[functions[-1].name] = tool["name"]
+        elif kind not in HOSTED_TOOLS:
+            raise InvalidInput(f"tools[{i}].type", f"unknown tool type {kind!r}; send function or namespace tools")
+    return functions, namespaces
+
+
+def _function_tool(tool: dict[str, Any], at: str) -> FunctionTool:
+    try:
+        return FunctionTool.model_validate({k: v for k, v in tool.items() if k in FunctionTool.model_fields})
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        raise InvalidInput(f"{at}.{'.'.join(map(str, first['loc']))}".rstrip("."), first["msg"]) from exc
 
 
 def compact_call(request: CompactResponsesRequest, header_session: str | None) -> ChatCall:
     """The messages of a /v1/responses/compact request, as a ChatCall (its body holds only them)."""
     system = [{"role": "system", "content": request.instructions}] if request.instructions else []
     session, field = session_of(header_session, request.prompt_cache_key, "prompt_cache_key")
-    body = {"model": request.model, "messages": system + input_messages(request.input)}
+    body = {"model": request.model, "messages": system + input_messages(request.input)[0]}
     return ChatCall(body, session, field, bool(system), {"model": request.model})
 
 
-def input_messages(items: str | list[Any]) -> list[dict[str, Any]]:
-    """Chat messages of `input`; everything before the last compaction item is ignored."""
+def input_messages(items: str | list[Any], trigger_allowed: bool = False) -> tuple[list[dict[str, Any]], bool]:
+    """Chat messages of `input` (everything before the last compaction item is ignored), and whether it ends
+    with a compaction_trigger (only where `trigger_allowed`)."""
     if isinstance(items, str):
-        return [{"role": "user", "content": items}]
+        return [{"role": "user", "content": items}], False
     if not items:
         raise InvalidInput("input", "send at least one input item")
     kinds = [item.get("type", "message") if isinstance(item, dict) else None for item in items]
     start = max((i for i, kind in enumerate(kinds) if kind == "compaction"), default=0)
+    triggered = bool(kinds) and kinds[-1] == TRIGGER
+    for i, kind in enumerate(kinds):
+        if kind == TRIGGER and (i != len(kinds) - 1 or not trigger_allowed):
+            where = "only as the last input item" if trigger_allowed else "only on /v1/responses"
+            raise InvalidInput(f"input[{i}]", f"a compaction_trigger item is served {where}")
     out: list[dict[str, Any]] = []
-    for i in range(start, len(items)):
+    for i in range(start, len(items) - (1 if triggered else 0)):
         item, kind, at = items[i], kinds[i], f"input[{i}]"
         if not isinstance(item, dict):
             raise InvalidInput(at, "an input item is a JSON object")
@@ -155,17 +224,31 @@ def input_messages(items: str | list[Any]) -> list[dict[str, Any]]:
             out = dumps(decode(item.get("encrypted_content"), f"{at}.encrypted_content"))
         elif kind == "message":
             out.append(_message(item, at))
-        elif kind == "function_call":
-            _append_call(out, item, at)
-        elif kind == "function_call_output":
+        elif kind in ("function_call", "custom_tool_call", "local_shell_call"):
+            _append_call(out, _call_of(item, kind, at), at)
+        elif kind in ("function_call_output", "custom_tool_call_output", "local_shell_call_output"):
             out.append({"role": "tool", "tool_call_id": _text(item, "call_id", at), "content": _output(item, at)})
-        elif kind != "reasoning":
+        elif kind != "reasoning" and kind not in HOSTED_ITEMS:
             raise InvalidInput(
                 f"{at}.type",
                 f"unsupported input item {kind!r}; send message, function_call, function_call_output, compaction "
                 "or reasoning (ignored) items",
             )
-    return out
+    return out, triggered
+
+
+def _call_of(item: dict[str, Any], kind: str, at: str) -> dict[str, Any]:
+    """A function call item of any client-run tool kind, as a function call (name, call_id, arguments)."""
+    if kind == "custom_tool_call":
+        return {
+            "call_id": _text(item, "call_id", at),
+            "name": _text(item, "name", at),
+            "arguments": _text(item, "input", at),
+        }
+    if kind == "local_shell_call":
+        action = json.dumps(item.get("action") or {}, ensure_ascii=False)
+        return {"call_id": _text(item, "call_id", at), "name": "local_shell", "arguments": action}
+    return item
 
 
 def _text(item: dict[str, Any], key: str, at: str) -> str:
@@ -176,7 +259,8 @@ def _text(item: dict[str, Any], key: str, at: str) -> str:
 
 
 def _parts_text(parts: Any, at: str) -> str:
-    """The text of a content value: a string, or a list of text parts joined by newlines."""
+    """The text of a content value: a string, or a list of parts joined by newlines (an image or a file part
+    stands as a one-line placeholder: this model reads text only)."""
     if isinstance(parts, str):
         return parts
     if not isinstance(parts, list):
@@ -188,8 +272,10 @@ def _parts_text(parts: Any, at: str) -> str:
             texts.append(part["refusal"])
         elif kind in TEXT_PARTS and isinstance(part.get("text"), str):
             texts.append(part["text"])
+        elif kind in PLACEHOLDER_PARTS:
+            texts.append(PLACEHOLDER_PARTS[kind])
         else:
-            raise InvalidInput(f"{at}[{j}]", f"unsupported content part {kind!r}; only text parts are served")
+            raise InvalidInput(f"{at}[{j}]", f"unsupported content part {kind!r}; send text, image or file parts")
     return "\n".join(texts)
 
 
@@ -222,6 +308,8 @@ def _function(tool: FunctionTool) -> dict[str, Any]:
     function: dict[str, Any] = {"name": tool.name, "parameters": tool.parameters or {"type": "object"}}
     if tool.description is not None:
         function["description"] = tool.description
+    if tool.strict is not None:  # strict: the engine constrains a forced call's arguments to the schema
+        function["strict"] = tool.strict
     return function
 
 
@@ -286,7 +374,8 @@ def response(
         output.append(_message_item(f"msg_{uuid.uuid4().hex}", message["content"], status))
     for tool_call in message.get("tool_calls") or []:
         function = tool_call.get("function") or {}
-        output.append(_call_item(tool_call.get("id"), function.get("name", ""), function.get("arguments", "")))
+        name = function.get("name", "")
+        output.append(_call_item(tool_call.get("id"), name, function.get("arguments", ""), call.namespaces.get(name)))
     return _envelope(call, output, status, usage=usage(completion.get("usage")), compaction=outcome_json(outcome))
 
 
@@ -295,10 +384,12 @@ def _message_item(item: str, text: str, status: str) -> dict[str, Any]:
     return {"type": "message", "id": item, "role": "assistant", "status": status, "content": [part]}
 
 
-def _call_item(call_id: str | None, name: str, arguments: str, status: str = "completed") -> dict[str, Any]:
+def _call_item(
+    call_id: str | None, name: str, arguments: str, namespace: str | None = None, status: str = "completed"
+) -> dict[str, Any]:
     call = call_id or f"call_{uuid.uuid4().hex[:24]}"
     item = {"type": "function_call", "id": f"fc_{call}", "call_id": call, "name": name, "arguments": arguments}
-    return {**item, "status": status}
+    return {**item, **({"namespace": namespace} if namespace else {}), "status": status}
 
 
 def compacted(result: ServiceResult, call: ChatCall) -> dict[str, Any]:
@@ -309,21 +400,49 @@ def compacted(result: ServiceResult, call: ChatCall) -> dict[str, Any]:
         for m in result.messages[result.kept_head + 1 :]
         if m.role == "user"
     ]
-    stats = result.stats
     return {
         "id": f"resp_{uuid.uuid4().hex}",
         "object": "response.compaction",
         "created_at": int(time.time()),
         "model": call.echo["model"],
         "output": [*kept, item_of(call.carried(dumps(result.messages)))],
-        "usage": {
-            "input_tokens": stats.prompt_tokens,
-            "input_tokens_details": {"cached_tokens": stats.cached_prompt_tokens, "cache_write_tokens": 0},
-            "output_tokens": stats.output_tokens,
-            "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": stats.prompt_tokens + stats.output_tokens,
-        },
+        "usage": compaction_usage(result.stats),
     }
+
+
+def compaction_usage(stats: CompactionStats | None) -> dict[str, Any]:
+    """A compaction's prefill and decode as a Responses usage object (zeros when none ran)."""
+    prompt = stats.prompt_tokens if stats else 0
+    output = stats.output_tokens if stats else 0
+    return {
+        "input_tokens": prompt,
+        "input_tokens_details": {"cached_tokens": stats.cached_prompt_tokens if stats else 0, "cache_write_tokens": 0},
+        "output_tokens": output,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": prompt + output,
+    }
+
+
+def triggered(call: ChatCall, outcome: TurnCompaction | None, forwarded: list[dict[str, Any]]) -> dict[str, Any]:
+    """The answer to a compaction_trigger: a Response whose output is exactly one compaction item, carrying the
+    compacted context (or, when nothing could be compacted, the context as it was)."""
+    stats = outcome.stats if outcome is not None else None
+    fields = {"usage": compaction_usage(stats), "compaction": outcome_json(outcome)}
+    return _envelope(call, [item_of(call.carried(forwarded))], "completed", **fields)
+
+
+async def stream_triggered(
+    call: ChatCall, outcome: TurnCompaction | None, forwarded: list[dict[str, Any]]
+) -> AsyncIterator[str]:
+    """`triggered` as Responses events: created, in_progress, the item added and done, completed."""
+    out = _Stream(call)
+    answer = triggered(call, outcome, forwarded)
+    yield out.send("response.created", response=out.envelope("in_progress", usage=None))
+    yield out.send("response.in_progress", response=out.envelope("in_progress", usage=None))
+    for text in out.whole(answer["output"][0]):
+        yield text
+    final = out.envelope("completed", usage=answer["usage"], compaction=answer["compaction"])
+    yield out.send("response.completed", response=final)
 
 
 class _Stream:
@@ -366,7 +485,8 @@ class _Stream:
         if self.key != index:
             yield from self.close()
             self.key = index
-            self.open = _call_item(delta.get("id"), function.get("name") or "", "", "in_progress")
+            name = function.get("name") or ""
+            self.open = _call_item(delta.get("id"), name, "", self.call.namespaces.get(name), "in_progress")
             yield self.send("response.output_item.added", output_index=len(self.output), item=dict(self.open))
         if function.get("arguments") and self.open is not None:
             self.open["arguments"] += function["arguments"]

@@ -54,6 +54,7 @@ from serving.tenants import (
 from serving.turns import FIELD as CONTEXT_MANAGEMENT
 from serving.turns import ChatTurn, PromptCounter, TurnCompaction, Wire, edited, fit, prepare_turn
 from serving.wire import messages as wire_messages
+from serving.wire import messages_answer, responses_answer
 from serving.wire import responses as wire_responses
 from serving.wire.chat import when_sent, with_compaction
 from serving.wire.codec import SESSION_HEADER, ChatCall, checked_session
@@ -131,6 +132,7 @@ class CompactionIngress(OpenAiIngress):
         tenancy: TenancyConfig | None = None,
         allow_unauthenticated: bool = False,
         default_compaction: dict[str, dict[str, Any]] | None = None,
+        reply_budgets: dict[str, int] | None = None,
     ) -> None:
         if tenancy is not None:  # here, in the ingress's process: its environment holds the keys
             check_exposure(KeyTable(read_keys(tenancy)), http_host(), allow_unauthenticated, tenancy)
@@ -140,6 +142,7 @@ class CompactionIngress(OpenAiIngress):
         self._windows = windows
         self._aliases = aliases or {}
         self._defaults = default_compaction or {}  # model -> the compaction entry of turns that send none
+        self._reply_budgets = reply_budgets or {}  # model -> max_tokens of a turn that sets none
         self._tokenizers: dict[str, HFChatTokenizer] = {}
         self._counters: dict[tuple[str, str], PromptCounter] = {}  # (tenant, model) -> its sessions' counts
         self._suspects = Suspects()  # jobs coordinators died running (serving.coordinator_calls)
@@ -172,25 +175,24 @@ class CompactionIngress(OpenAiIngress):
     async def chat(self, body: ChatRequest, request: Request) -> Response:
         """OpenAI chat completions. With `context_management` (the request's, else the model's default entry),
         compacted server-side (see serving.turns)."""
-        call = self._defaulted(ChatCall(await request.json(), _header_session(request)))
+        call = self._served(ChatCall(await request.json(), _header_session(request)))
         forward, outcome = await self._prepare(call, "chat", request)
         response = await self._answer(forward, call, request)
         return with_compaction(response, outcome) if outcome is not None else response
 
     async def responses(self, body: ResponsesRequest, request: Request) -> Response:
         """OpenAI Responses over the chat path, compaction items included (see serving.wire.responses)."""
-        body = body.model_copy(update={"model": self._aliases.get(body.model, body.model)})
-        call = wire_responses.to_chat(body, _header_session(request))
+        call = self._served(wire_responses.to_chat(body, _header_session(request)))
         forward, outcome = await self._prepare(call, "responses", request)
         sent = forward["messages"]
         if call.compact_now:  # a compaction_trigger: the compacted context alone, as one compaction item
             if body.stream:
-                return _events(wire_responses.stream_triggered(call, outcome, sent))
-            return JSONResponse(wire_responses.triggered(call, outcome, sent))
+                return _events(responses_answer.stream_triggered(call, outcome, sent))
+            return JSONResponse(responses_answer.triggered(call, outcome, sent))
         response = await self._answer(forward, call, request)
         if isinstance(response, StreamingResponse):
-            return _events(wire_responses.stream(chat_chunks(response.body_iterator), call, outcome, sent))
-        return JSONResponse(wire_responses.response(_json(response), call, outcome, sent))
+            return _events(responses_answer.stream(chat_chunks(response.body_iterator), call, outcome, sent))
+        return JSONResponse(responses_answer.response(_json(response), call, outcome, sent))
 
     async def responses_compact(self, body: CompactResponsesRequest, request: Request) -> dict[str, Any]:
         """OpenAI's compaction endpoint: the kept user messages and one compaction item standing for the input."""
@@ -207,40 +209,49 @@ class CompactionIngress(OpenAiIngress):
             tenant=tenant.id,
             cache_salt=tenant.cache_salt,
         )
-        return wire_responses.compacted(await self._compact(job), call)
+        return responses_answer.compacted(await self._compact(job), call)
 
     async def messages(self, body: MessagesRequest, request: Request) -> Response:
         """Anthropic Messages over the chat path, the compaction beta and context edits included (see
         serving.wire.messages); the model's default compaction entry when the request sends no edit."""
-        call = self._defaulted(wire_messages.to_chat(body, _header_session(request)))
+        call = self._served(wire_messages.to_chat(body, _header_session(request)))
         if call.edits:
-            tokenizer = self._tokenizer(body.model)
+            tokenizer = self._tokenizer(str(call.body["model"]))
             edited_body, applied = await asyncio.to_thread(edited, call.body, call.edits, call.thinking, tokenizer)
             call = replace(call, body=edited_body, applied_edits=tuple(applied))
         forward, outcome = await self._prepare(call, "messages", request)
         sent = forward["messages"]
         if call.pause and outcome is not None and outcome.status == "applied":  # the compaction, no reply
             if body.stream:
-                return _events(wire_messages.stream(None, call, outcome, sent))
-            return JSONResponse(wire_messages.paused(call, outcome, sent))
+                return _events(messages_answer.stream(None, call, outcome, sent))
+            return JSONResponse(messages_answer.paused(call, outcome, sent))
         response = await self._answer(forward, call, request)
         if isinstance(response, StreamingResponse):
-            return _events(wire_messages.stream(chat_chunks(response.body_iterator), call, outcome, sent))
-        return JSONResponse(wire_messages.message(_json(response), call, outcome, sent))
+            return _events(messages_answer.stream(chat_chunks(response.body_iterator), call, outcome, sent))
+        return JSONResponse(messages_answer.message(_json(response), call, outcome, sent))
 
     async def count_tokens(self, body: CountTokensRequest, request: Request) -> dict[str, int]:
         """Tokens of the prompt the model would see for this request, by its chat template."""
-        call = wire_messages.to_chat(body, None)
-        self._window(body.model)
+        call = self._served(wire_messages.to_chat(body, None))
+        model = str(call.body["model"])
         messages = parse_messages(call.body["messages"])
-        return {"input_tokens": self._counter(body.model, tenant_of(request)).count(messages, None)}
+        counter = self._counter(model, tenant_of(request))
+        return {"input_tokens": counter.count(messages, None) + counter.tool_tokens(call.body.get("tools"))}
 
-    def _defaulted(self, call: ChatCall) -> ChatCall:
-        """The call with the model's default compaction entry when it sends none (the operator's threshold)."""
-        model = call.body.get("model")
-        if CONTEXT_MANAGEMENT in call.body or not isinstance(model, str) or model not in self._defaults:
+    def _served(self, call: ChatCall) -> ChatCall:
+        """The call for the hosted model its name or alias names, with the operator's default compaction entry
+        (default_compaction, by name or model) when it sends none: every chat and Messages turn, and a Responses
+        compaction_trigger (Codex compacts in-band, so its turns get no threshold of the server's)."""
+        served = call.body.get("model")
+        if not isinstance(served, str):
             return call
-        return replace(call, body={**call.body, CONTEXT_MANAGEMENT: [self._defaults[model]]})
+        model = self._aliases.get(served, served)
+        body = {**call.body, "model": model}
+        default = self._defaults.get(served) or self._defaults.get(model)
+        in_band = call.wire != "responses" or call.compact_now
+        if default is not None and CONTEXT_MANAGEMENT not in body and in_band:
+            body[CONTEXT_MANAGEMENT] = [default]
+        return replace(call, body=body)
 
     def _window(self, model: str) -> int:
         if model not in self._windows:
@@ -266,7 +277,8 @@ class CompactionIngress(OpenAiIngress):
         """ray.serve.llm's chat completion of `forward` within the model window (serving.turns.fit), on the
         session's replica."""
         model = str(forward.get("model"))
-        forward = await asyncio.to_thread(fit, forward, self._tokenizer(model), self._window(model))
+        budget = self._reply_budgets.get(model)
+        forward = await asyncio.to_thread(fit, forward, self._tokenizer(model), self._window(model), budget)
         tenant = tenant_of(request)
         salt = tenant.salted(forward.get("cache_salt") if isinstance(forward.get("cache_salt"), str) else None)
         try:

@@ -117,13 +117,14 @@ class AppArgs(BaseModel):
     )
     default_compaction: dict[str, dict[str, Any]] = Field(
         default_factory=dict,
-        description='Per model: the compaction entry ({"type": "compaction", "compact_threshold": N, ...}) of '
-        "chat completions and Messages turns that send none, so an agent that cannot send one (Claude Code, "
-        "OpenCode) is compacted at the operator's threshold. Responses clients (Codex) compact in-band.",
+        description='Per model or alias: the compaction entry ({"type": "compaction", "compact_threshold": N, ...}) '
+        "of chat completions and Messages turns that send none, so an agent that cannot send one (Claude Code, "
+        "OpenCode) is compacted at the operator's threshold; on Responses, the options of Codex's in-band "
+        "compaction_trigger.",
     )
     model_aliases: dict[str, str] = Field(
         default_factory=dict,
-        description="Other names /v1/responses and /v1/responses/compact accept for a hosted model, e.g. "
+        description="Other names every route accepts for a hosted model, e.g. "
         '{"gpt-smollm2": "smollm2-135m-instruct"} for clients that want an OpenAI-style name (the OpenAI Agents '
         "SDK's compaction session takes only gpt-* and o* models).",
     )
@@ -135,8 +136,8 @@ class AppArgs(BaseModel):
             if unknown:
                 raise ValueError(f"{field} names models that are not hosted: {unknown}")
         for name, entry in self.default_compaction.items():
-            if name not in self.models:
-                raise ValueError(f"default_compaction names a model that is not hosted: {name}")
+            if name not in self.models and name not in self.model_aliases:
+                raise ValueError(f"default_compaction names neither a hosted model nor an alias: {name}")
             try:
                 parse_context_management([entry], f"default_compaction.{name}")
             except InvalidInput as exc:
@@ -334,4 +335,5 @@ def build_app(args: dict[str, Any]) -> Application:
         tenancy=opts.tenancy,
         allow_unauthenticated=opts.allow_unauthenticated,
         default_compaction=dict(opts.default_compaction),
+        reply_budgets={s.name: s.default_max_tokens for s in specs if s.default_max_tokens is not None},
     )

@@ -226,12 +226,12 @@ class SessionCompactions:
             result = await self._compact(self._job(turn, turn.messages), asyncio.Event())
         head, through = result.messages[: result.kept_head + 1], result.replaces_through
         prompt = spliced(head, through, turn.messages)
-        tokens = prompt_tokens(prompt, tokenizer)
+        tokens = prompt_tokens(prompt, tokenizer) + turn.tool_tokens
         if tokens > turn.entry.compact_threshold:  # the history grew past the threshold again since the snapshot
             result = await self._compact(self._job(turn, prompt), asyncio.Event())
             head, through = _compose(result, len(head), through, prompt)
             prompt = spliced(head, through, turn.messages)
-            tokens = prompt_tokens(prompt, tokenizer)
+            tokens = prompt_tokens(prompt, tokenizer) + turn.tool_tokens
         if turn.session_id and wants_background(tokens, turn.growth, turn.entry, turn.idle_s):
             self._start(turn, prompt, message_digests(prompt))  # the compacted prompt is the next snapshot
         return TurnCompaction(

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import yaml
 
 APP_NAME = "compaction"
 ROOT = Path(__file__).resolve().parents[1]
@@ -232,8 +233,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-cpus", type=int, default=4, help="logical CPUs of the local Ray cluster")
     parser.add_argument("--metrics-port", type=int, default=None, help="Ray's metrics port (default: any free one)")
     parser.add_argument("--verbose", action="store_true", help="show Ray's, Serve's and vLLM's logs (or VERBOSE=1)")
+    parser.add_argument(
+        "--args", type=Path, default=None, help="a YAML file of the app's args (serving.app.AppArgs), e.g. aliases"
+    )
     args = parser.parse_args(argv)
-    app_args = {"models": args.model} if args.model else {}
+    app_args: dict[str, Any] = (yaml.safe_load(args.args.read_text()) or {}) if args.args else {}
+    if args.model:
+        app_args["models"] = args.model
     quiet = not verbose_requested(args.verbose)
     service = LocalService(args.port, app_args, num_cpus=args.num_cpus, metrics_port=args.metrics_port, quiet=quiet)
     stop = threading.Event()

@@ -159,6 +159,13 @@ class ModelSpec(BaseModel):
         description="Tokens a history to compact may render to; more get 422. None: 16 model windows "
         "(compaction.partition.HISTORY_WINDOWS x max_model_len: 131,072 for an 8,192-token window).",
     )
+    default_max_tokens: int | None = Field(
+        None,
+        ge=1,
+        le=1_048_576,
+        description="The reply budget of a turn that sets none (an agent CLI often does not); None: the room left "
+        "in the window, as vLLM would.",
+    )
     tool_call_parser: str | None = Field(
         None,
         min_length=1,

@@ -19,6 +19,7 @@ the coordinator's side of a turn is `serving.background`.
 from __future__ import annotations
 
 import hashlib
+import json
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Literal, Protocol
@@ -58,6 +59,7 @@ class ChatTurn(BaseModel):
     entry: ContextManagement = Field(description="The request's compaction entry.")
     session_id: str | None = Field(description="x-session-id; background compaction needs one.")
     prompt_tokens: int = Field(description="Tokens of the request's rendered prompt, counted by the ingress.")
+    tool_tokens: int = Field(0, description="Of prompt_tokens, those its tool list adds (every prompt has them).")
     growth: int = Field(0, description="The most one turn of this session grew its prompt lately (tokens).")
     idle_s: float | None = Field(
         None, description="The session's mean time from a reply to its next turn lately (s); None: not measured."
@@ -100,12 +102,14 @@ class PromptCounter:
     An agent's rendered history only grows at its end, and a tokenizer splits text at special tokens
     before anything else, so the tokens of the text up to the last special token of the previous
     turn are a fixed count: only what follows is tokenised again (an 8k-token history costs ~30 ms
-    to tokenise whole on a CPU core, about what a whole SmolLM2 decode step costs).
+    to tokenise whole on a CPU core, about what a whole SmolLM2 decode step costs). The tool list a
+    request sends (the template writes it into the prompt: thousands of tokens for a coding agent's
+    tools) is counted once per distinct list.
     """
 
     def __init__(
         self,
-        tokenizer: ChatTokenizer,
+        tokenizer: TurnTokenizer,
         specials: Sequence[str],
         max_sessions: int = 8192,
         max_bytes: int = DEFAULT_COUNTER_BYTES,
@@ -121,6 +125,20 @@ class PromptCounter:
         self._answered: BoundedLRU[str, tuple[int, tuple[int, ...]]] = BoundedLRU(max_sessions, share, size)
         # session -> (when its last reply finished, its last RECENT_TURNS gaps from a reply to the next turn)
         self._replied: BoundedLRU[str, tuple[float | None, tuple[float, ...]]] = BoundedLRU(max_sessions, share, size)
+        self._tools: BoundedLRU[str, int] = BoundedLRU(1024)  # digest of a tool list -> the tokens it adds
+
+    def tool_tokens(self, tools: Any) -> int:
+        """Tokens a request's tool list adds to its prompt (0 without one)."""
+        if not isinstance(tools, list) or not tools:
+            return 0
+        key = _digest(json.dumps(tools, sort_keys=True, default=str))
+        known = self._tools.get(key)
+        if known is None:
+            bare = [{"role": "system", "content": ""}]
+            with_tools = self.tokenizer.chat_prompt_tokens(bare, tools)
+            known = max(0, with_tools - self.tokenizer.chat_prompt_tokens(bare, None))
+            self._tools.put(key, known)
+        return known
 
     def count(self, messages: Sequence[Message], session: str | None) -> int:
         views = [template_view(m) for m in messages]
@@ -181,6 +199,10 @@ class PromptRenderer(Protocol):
     def encode(self, text: str) -> list[int]: ...
 
 
+class TurnTokenizer(ChatTokenizer, PromptRenderer, Protocol):
+    """What the chat-turn path needs of a model's tokenizer: the core's, and the chat endpoint's prompt length."""
+
+
 def _views(raw: Any) -> list[dict[str, Any]] | None:
     """The chat views of a body's messages; None when they are not chat messages this service reads."""
     try:
@@ -189,10 +211,13 @@ def _views(raw: Any) -> list[dict[str, Any]] | None:
         return None
 
 
-def fit(forward: dict[str, Any], tokenizer: PromptRenderer, window: int) -> dict[str, Any]:
+def fit(
+    forward: dict[str, Any], tokenizer: PromptRenderer, window: int, default_reply: int | None = None
+) -> dict[str, Any]:
     """The chat request within the model window: PromptTooLong when its prompt passes it (worded as agents
-    read it to compact), and a reply budget (max_tokens) past the room left cut to that room. A body whose
-    messages this service cannot read goes as it is: the engine answers it."""
+    read it to compact), a reply budget (max_tokens) past the room left cut to that room, and `default_reply`
+    the budget of a request that sets none. A body whose messages this service cannot read goes as it is: the
+    engine answers it."""
     views = _views(forward.get("messages"))
     if views is None:
         return forward
@@ -201,6 +226,8 @@ def fit(forward: dict[str, Any], tokenizer: PromptRenderer, window: int) -> dict
         raise PromptTooLong(tokens, window)
     room = window - tokens
     budgets = ("max_tokens", "max_completion_tokens")
+    if default_reply is not None and not any(isinstance(forward.get(k), int) for k in budgets):
+        forward = {**forward, "max_tokens": default_reply}
     return {**forward, **{k: room for k in budgets if isinstance(forward.get(k), int) and forward[k] > room}}
 
 
@@ -222,8 +249,10 @@ def edited(
 
 
 def window_entry(window: int) -> ContextManagement:
-    """The compaction entry of a client that asks for a compaction without one: its defaults for this window."""
-    return ContextManagement(type="compaction", compact_threshold=max(256, window - DEFAULT_REPLY_TOKENS))
+    """The compaction entry of a client that asks for a compaction without one (Codex's compaction_trigger): the
+    defaults for this window; the turn before the trigger was answered already, so it is compacted too."""
+    threshold = max(256, window - DEFAULT_REPLY_TOKENS)
+    return ContextManagement(type="compaction", compact_threshold=threshold, keep_current_turn=False)
 
 
 def reply_budget(body: dict[str, Any]) -> int:
@@ -273,7 +302,8 @@ async def prepare_turn(
     if not isinstance(raw, list) or not raw:
         raise InvalidInput("messages", "send a non-empty list of chat messages")
     messages = parse_messages(raw)
-    tokens = counter.count(messages, session)
+    tools = counter.tool_tokens(body.get("tools"))
+    tokens = counter.count(messages, session) + tools
     growth = counter.growth(session, tokens)
     idle = counter.arrived(session)
     if not needs_coordinator(tokens, entry, session, growth, force):
@@ -285,6 +315,7 @@ async def prepare_turn(
         entry=entry,
         session_id=session,
         prompt_tokens=tokens,
+        tool_tokens=tools,
         growth=growth,
         idle_s=idle,
         room=window - reply,

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import re
 import socket
+
+import httpx
 
 # The model name the test servers expose: the CPU default's catalogue name.
 SERVED_MODEL = "smollm2-135m-instruct"
@@ -38,5 +41,38 @@ def auth(key: str = SERVICE_KEY) -> dict[str, str]:
 SERVICE_LIMITS = {"max_running": 4, "max_queued": 8}
 # Two model replicas (a core each): failover, affinity and placement need more than one.
 SERVED_ALIAS = "gpt-smollm2"  # an OpenAI-style name the Responses routes accept (the Agents SDK wants one)
-SERVICE_ALIASES = {"model_aliases": {SERVED_ALIAS: SERVED_MODEL}}
+# Names the agent CLIs use (tests/test_agents.py), each with the service's default compaction entry: OpenCode's
+# turns are compacted by it, Codex's in-band compaction_trigger takes its options.
+CODEX_ALIAS, OPENCODE_ALIAS = "codex-smollm2", "opencode-smollm2"
+CLI_COMPACTION = {"type": "compaction", "compact_threshold": 2500, "chunk_tokens": 256, "max_chunk_summary_tokens": 32,
+                  "keep_recent_tokens": 256}  # fmt: skip
+SERVICE_ALIASES = {
+    "model_aliases": {SERVED_ALIAS: SERVED_MODEL, CODEX_ALIAS: SERVED_MODEL, OPENCODE_ALIAS: SERVED_MODEL},
+    "default_compaction": {CODEX_ALIAS: {**CLI_COMPACTION, "keep_current_turn": False}, OPENCODE_ALIAS: CLI_COMPACTION},
+}
+SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][\w:]*)(?:\{(?P<tags>[^}]*)\})? (?P<value>\S+)$")
+
+
+def samples(text: str, name: str, **tags: str) -> list[float]:
+    """Values of every sample of `name` in Prometheus text whose tags include `tags`."""
+    out = []
+    for line in text.splitlines():
+        match = SAMPLE.match(line)
+        if not match or match["name"] != name:
+            continue
+        found = dict(re.findall(r'(\w+)="([^"]*)"', match["tags"] or ""))
+        if all(found.get(k) == v for k, v in tags.items()):
+            out.append(float(match["value"]))
+    return out
+
+
+def scrape(url: str) -> str:
+    return httpx.get(url, timeout=10).text
+
+
+def scrape_sum(url: str, name: str, **tags: str) -> float:
+    """The sum of a metric's samples (whose tags include `tags`) on Ray's metrics endpoint."""
+    return sum(samples(scrape(url), name, **tags))
+
+
 SERVICE_REPLICAS = {"replicas": {SERVED_MODEL: {"min": 2, "max": 2, "initial": 2}}}

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import re
 import signal
 import time
 import uuid
@@ -20,35 +19,17 @@ import httpx
 import pytest
 
 from serving.local import APP_NAME, LocalService
-from tests.support import SERVED_MODEL, SERVICE_LIMITS, auth
+from tests.support import SERVED_MODEL, SERVICE_LIMITS, auth, samples, scrape
 
 pytestmark = [pytest.mark.ray, pytest.mark.engine]
 
 MODEL = SERVED_MODEL
-SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][\w:]*)(?:\{(?P<tags>[^}]*)\})? (?P<value>\S+)$")
 
 
 def cheap(text: str = "I booked a flight to Oslo for the 14th.", **options: Any) -> dict[str, Any]:
     """A compaction that costs one short prompt and a few output tokens."""
     messages = [{"role": "user", "content": f"{text} (note {i})"} for i in range(4)]
     return {"model": MODEL, "messages": messages, "strategy": "sequential", "max_chunk_summary_tokens": 6, **options}
-
-
-def samples(text: str, name: str, **tags: str) -> list[float]:
-    """Values of every sample of `name` whose tags include `tags`."""
-    out = []
-    for line in text.splitlines():
-        match = SAMPLE.match(line)
-        if not match or match["name"] != name:
-            continue
-        found = dict(re.findall(r'(\w+)="([^"]*)"', match["tags"] or ""))
-        if all(found.get(k) == v for k, v in tags.items()):
-            out.append(float(match["value"]))
-    return out
-
-
-def scrape(url: str) -> str:
-    return httpx.get(url, timeout=10).text
 
 
 def wait_for(check: Callable[[], bool], timeout_s: float, poll_s: float = 0.2) -> float:

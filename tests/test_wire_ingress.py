@@ -45,6 +45,7 @@ class Ingress(CompactionIngress):
         self._windows = {MODEL: WINDOW}
         self._aliases = {ALIAS: MODEL}
         self._defaults: dict[str, dict[str, Any]] = {}
+        self._reply_budgets: dict[str, int] = {}
         self._tokenizers = {MODEL: tokenizer}
         self._counters = {(DEFAULT_TENANT, MODEL): self.path.counter}
         self.turns: list[ChatTurn] = []

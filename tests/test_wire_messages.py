@@ -24,15 +24,8 @@ from serving.errors import install_error_handlers
 from serving.turns import WIRE_FIELD
 from serving.wire.codec import ChatCall, decode, dumps, encode
 from serving.wire.errors import AnthropicErrors
-from serving.wire.messages import (
-    CountTokensRequest,
-    MessagesRequest,
-    chat_messages,
-    message,
-    paused,
-    stream,
-    to_chat,
-)
+from serving.wire.messages import CountTokensRequest, MessagesRequest, chat_messages, to_chat
+from serving.wire.messages_answer import message, paused, stream
 from serving.wire.sse import chat_chunks
 from tests.fakes import ChatMLTokenizer
 from tests.test_coordinator import MODEL

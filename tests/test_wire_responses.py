@@ -20,16 +20,8 @@ from compaction.tokenizer import HFChatTokenizer
 from serving.coordinator import CompactJob
 from serving.turns import WIRE_FIELD
 from serving.wire.codec import ChatCall, decode, dumps, encode
-from serving.wire.responses import (
-    CompactResponsesRequest,
-    ResponsesRequest,
-    compact_call,
-    compacted,
-    input_messages,
-    response,
-    stream,
-    to_chat,
-)
+from serving.wire.responses import CompactResponsesRequest, ResponsesRequest, compact_call, input_messages, to_chat
+from serving.wire.responses_answer import compacted, response, stream
 from serving.wire.sse import chat_chunks
 from tests.test_coordinator import MODEL, FakeReplicas, coordinator
 from tests.wire_fakes import ChatPath, chat_stream, completion

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import pytest
@@ -202,7 +202,7 @@ def test_count_tokens_is_the_prompt_the_model_reads(service: Any) -> None:
          "context_management[0].compact_threshold"),
         ("/v1/responses", {"input": "hi", "model": "gpt-9"}, "model"),
         ("/v1/responses/compact", {"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type"),
-        ("/v1/messages", {"max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "image"}]}]},
+        ("/v1/messages", {"max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "video"}]}]},
          "messages[0].content[0].type"),
         ("/v1/messages", {"max_tokens": 4, "messages": [{"role": "assistant", "content": [
             {"type": "compaction", "content": "x", "encrypted_content": "pc1.AAAA"}]}]},
@@ -246,7 +246,6 @@ def test_the_openai_agents_sdks_compaction_session_compacts_through_the_service(
     the same way on any machine) and the tool's answer ends the run: tool calls and their results round-trip
     through the service, and through its compaction."""
     import asyncio
-    from typing import Literal
 
     from agents import (
         Agent,

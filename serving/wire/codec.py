@@ -48,6 +48,7 @@ class ChatCall:
     edits: tuple[Edit, ...] = ()  # Anthropic context edits other than compaction, applied before the turn
     thinking: tuple[int, str] = (0, "")  # thinking the request carried and dropped: assistant turns, its text
     applied_edits: tuple[dict[str, Any], ...] = ()  # the context edits applied, as Anthropic reports them
+    wire: str = "chat"  # the API format the call arrived in (chat, responses, messages)
 
     def wire_field(self, name: str) -> str:
         """A chat-side field name (of an InvalidInput) as this format names it."""

@@ -4,8 +4,12 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 PORT   ?= 8000
+# The agent CLIs the tests drive, pinned; installed project-local (npm), never globally.
+AGENTS := .agents
+AGENT_PACKAGES := @openai/codex@0.171.0 @anthropic-ai/claude-code@2.1.197 opencode-ai@1.18.33
+AGENT_STAMP := $(AGENTS)/.installed-stamp
 
-.PHONY: install model run test lint bench serve sweep load clean
+.PHONY: install model agents run test lint bench serve sweep load clean
 
 $(STAMP): pyproject.toml
 	@echo "[setup] creating $(VENV) and installing the project with the CPU engine (about 2 minutes, 4 GB)"
@@ -22,15 +26,25 @@ install: $(STAMP)
 model: $(STAMP)
 	$(BIN)/python -m serving.weights fetch
 
+# Codex CLI, Claude Code and OpenCode in .agents/ (about 30 s, 1 GB); without npm their tests skip, saying so.
+agents: $(AGENT_STAMP)
+
+$(AGENT_STAMP): Makefile
+	@if command -v npm >/dev/null 2>&1; then \
+		echo "[setup] installing the agent CLIs into $(AGENTS)/ (npm, about 30 s)"; \
+		npm install --prefix $(AGENTS) --no-audit --no-fund --loglevel=error $(AGENT_PACKAGES) >/dev/null \
+			&& touch $@ || echo "[setup] npm install failed: the agent CLI tests will skip"; \
+	else echo "[setup] npm not found: the agent CLI tests will skip"; fi
+
 # The service on http://127.0.0.1:$(PORT) until Ctrl-C.
 serve: model
-	$(BIN)/python -m serving.local --port $(PORT) $(if $(METRICS_PORT),--metrics-port $(METRICS_PORT))
+	$(BIN)/python -m serving.local --port $(PORT) $(if $(METRICS_PORT),--metrics-port $(METRICS_PORT)) $(if $(ARGS),--args $(ARGS))
 
 # Starts the service, compacts the demo conversation over HTTP with both strategies, prints the table, stops.
 run: model
 	$(BIN)/python -m jobs.demo --port $(PORT) $(if $(CONVERSATION),--conversation $(CONVERSATION)) $(if $(REPLICAS),--replicas $(REPLICAS))
 
-test: model
+test: model agents
 	$(BIN)/python -m pytest -q -ra --durations=15
 
 lint: $(STAMP)
@@ -49,4 +63,4 @@ load: model
 	$(BIN)/python -m jobs.bench.load --fleet 1,32 --json results/load.json --plot results/load.png
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(AGENTS) .pytest_cache .mypy_cache .ruff_cache

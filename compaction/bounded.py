@@ -1,8 +1,10 @@
 """The one bounded map: caches and per-session tables keep their most recently used entries within a count and
-a byte budget, and say what they drop (so an evicted background run can be cancelled)."""
+a byte budget, and say what they drop (so an evicted background run can be cancelled). Safe to share between
+threads (a turn's prompt is counted off the event loop)."""
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator
 from typing import Generic, TypeVar
@@ -29,6 +31,7 @@ class BoundedLRU(Generic[K, V]):
         self._entries: OrderedDict[K, V] = OrderedDict()
         self._sizes: dict[K, int] = {}
         self.bytes = 0  # the entries' sizes, as last measured
+        self._lock = threading.RLock()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -47,10 +50,11 @@ class BoundedLRU(Generic[K, V]):
 
     def get(self, key: K) -> V | None:
         """The entry (now the most recently used), or None."""
-        if key not in self._entries:
-            return None
-        self._entries.move_to_end(key)
-        return self._entries[key]
+        with self._lock:
+            if key not in self._entries:
+                return None
+            self._entries.move_to_end(key)
+            return self._entries[key]
 
     def peek(self, key: K) -> V | None:
         """The entry, its place in the order unchanged."""
@@ -58,27 +62,31 @@ class BoundedLRU(Generic[K, V]):
 
     def put(self, key: K, value: V) -> None:
         """Keep `value` as the most recently used entry, then drop the least recently used past the bounds."""
-        self._entries[key] = value
-        self._entries.move_to_end(key)
-        self.remeasure(key)
+        with self._lock:
+            self._entries[key] = value
+            self._entries.move_to_end(key)
+            self.remeasure(key)
 
     def remeasure(self, key: K) -> None:
         """Count an entry's size again (its value changed in place), then drop entries past the bounds."""
-        if key in self._entries:
-            size = self._size(key, self._entries[key])
-            self.bytes += size - self._sizes.get(key, 0)
-            self._sizes[key] = size
-        self._shrink()
+        with self._lock:
+            if key in self._entries:
+                size = self._size(key, self._entries[key])
+                self.bytes += size - self._sizes.get(key, 0)
+                self._sizes[key] = size
+            self._shrink()
 
     def pop(self, key: K) -> V | None:
         """Remove an entry without calling on_evict; None if absent."""
-        self.bytes -= self._sizes.pop(key, 0)
-        return self._entries.pop(key, None)
+        with self._lock:
+            self.bytes -= self._sizes.pop(key, 0)
+            return self._entries.pop(key, None)
 
     def pop_oldest(self) -> tuple[K, V]:
         """Drop the least recently used entry (on_evict is called)."""
-        key, value = self._entries.popitem(last=False)
-        self.bytes -= self._sizes.pop(key, 0)
+        with self._lock:
+            key, value = self._entries.popitem(last=False)
+            self.bytes -= self._sizes.pop(key, 0)
         if self._on_evict is not None:
             self._on_evict(key, value)
         return key, value

@@ -64,10 +64,15 @@ class Message(BaseModel):
         return "".join(part.text for part in self.content)
 
 
+MAX_MESSAGES = 100_000  # messages one history may hold (a history of the largest window holds far fewer)
+
+
 def parse_messages(raw: Sequence[Any], field: str = "messages") -> list[Message]:
     """Validate caller data into new Message objects (the caller's objects are never kept or changed)."""
     if not raw:
         raise InvalidInput(field, "the history is empty; send at least one message")
+    if len(raw) > MAX_MESSAGES:
+        raise InvalidInput(field, f"{len(raw)} messages, over the limit of {MAX_MESSAGES}; send a shorter history")
     out: list[Message] = []
     for i, item in enumerate(raw):
         try:

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import replace
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, WebSocket
 from pydantic import ConfigDict, Field, ValidationError
 from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.handle import DeploymentHandle
@@ -56,7 +56,7 @@ from serving.turns import ChatTurn, PromptCounter, TurnCompaction, Wire, edited,
 from serving.wire import messages as wire_messages
 from serving.wire import messages_answer, responses_answer
 from serving.wire import responses as wire_responses
-from serving.wire.chat import when_sent, with_compaction
+from serving.wire.chat import refuse_service_fields, when_sent, with_compaction
 from serving.wire.codec import SESSION_HEADER, ChatCall, checked_session
 from serving.wire.errors import AnthropicErrors
 from serving.wire.messages import CountTokensRequest, MessagesRequest
@@ -153,8 +153,9 @@ class CompactionIngress(OpenAiIngress):
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         """OpenAI completions, in the caller's own prefix-cache namespace."""
+        refuse_service_fields(await request.json())
         salt = tenant_of(request).salted(body.cache_salt)
-        return await super().completions(body.model_copy(update={"cache_salt": salt}), request)
+        return await super().completions(body.model_copy(update={"cache_salt": salt}), _for_replica(request))
 
     async def _compact(self, job: CompactJob) -> ServiceResult:
         # The coordinator enforces timeout_s per attempt; this bounds the whole call, retries on another
@@ -175,14 +176,16 @@ class CompactionIngress(OpenAiIngress):
     async def chat(self, body: ChatRequest, request: Request) -> Response:
         """OpenAI chat completions. With `context_management` (the request's, else the model's default entry),
         compacted server-side (see serving.turns)."""
-        call = self._served(ChatCall(await request.json(), _header_session(request)))
+        raw = await request.json()
+        refuse_service_fields(raw)
+        call = self._served(ChatCall(raw, _header_session(request)))
         forward, outcome = await self._prepare(call, "chat", request)
         response = await self._answer(forward, call, request)
         return with_compaction(response, outcome) if outcome is not None else response
 
     async def responses(self, body: ResponsesRequest, request: Request) -> Response:
         """OpenAI Responses over the chat path, compaction items included (see serving.wire.responses)."""
-        call = self._served(wire_responses.to_chat(body, _header_session(request)))
+        call = self._served(await asyncio.to_thread(wire_responses.to_chat, body, _header_session(request)))
         forward, outcome = await self._prepare(call, "responses", request)
         sent = forward["messages"]
         if call.compact_now:  # a compaction_trigger: the compacted context alone, as one compaction item
@@ -214,7 +217,7 @@ class CompactionIngress(OpenAiIngress):
     async def messages(self, body: MessagesRequest, request: Request) -> Response:
         """Anthropic Messages over the chat path, the compaction beta and context edits included (see
         serving.wire.messages); the model's default compaction entry when the request sends no edit."""
-        call = self._served(wire_messages.to_chat(body, _header_session(request)))
+        call = self._served(await asyncio.to_thread(wire_messages.to_chat, body, _header_session(request)))
         if call.edits:
             tokenizer = self._tokenizer(str(call.body["model"]))
             edited_body, applied = await asyncio.to_thread(edited, call.body, call.edits, call.thinking, tokenizer)
@@ -232,11 +235,14 @@ class CompactionIngress(OpenAiIngress):
 
     async def count_tokens(self, body: CountTokensRequest, request: Request) -> dict[str, int]:
         """Tokens of the prompt the model would see for this request, by its chat template."""
-        call = self._served(wire_messages.to_chat(body, None))
-        model = str(call.body["model"])
-        messages = parse_messages(call.body["messages"])
-        counter = self._counter(model, tenant_of(request))
-        return {"input_tokens": counter.count(messages, None) + counter.tool_tokens(call.body.get("tools"))}
+        call = self._served(await asyncio.to_thread(wire_messages.to_chat, body, None))
+        counter = self._counter(str(call.body["model"]), tenant_of(request))
+
+        def count() -> int:
+            tools = counter.tool_tokens(call.body.get("tools"))
+            return counter.count(parse_messages(call.body["messages"]), None) + tools
+
+        return {"input_tokens": await asyncio.to_thread(count)}
 
     def _served(self, call: ChatCall) -> ChatCall:
         """The call for the hosted model its name or alias names, with the operator's default compaction entry
@@ -286,7 +292,7 @@ class CompactionIngress(OpenAiIngress):
         except ValidationError as exc:
             first = exc.errors()[0]
             raise InvalidInput(field_path(("body", *first["loc"])), f"{first['msg']} (in the chat request)") from exc
-        response = await self._chat_on_a_live_replica(chat, _with_session(request, call.session))
+        response = await self._chat_on_a_live_replica(chat, _for_replica(request, call.session))
         counter = self._counter(str(forward.get("model")), tenant)
         return when_sent(response, lambda: counter.replied(call.session))  # the agent is in its tools from then
 
@@ -348,12 +354,24 @@ def _events(events: AsyncIterator[str]) -> StreamingResponse:
     return StreamingResponse(events, media_type="text/event-stream")
 
 
-def _with_session(request: Request, session: str | None) -> Request:
-    """The request with x-session-id set to `session` (the model call's replica affinity reads that header)."""
-    if not session or request.headers.get(SESSION_HEADER) == session:
-        return request
-    headers = [(k, v) for k, v in request.scope["headers"] if k.lower() != SESSION_HEADER.encode()]
-    return Request({**request.scope, "headers": [*headers, (SESSION_HEADER.encode(), session.encode())]})
+def _for_replica(request: Request, session: str | None = None) -> Request:
+    """The request as the model replica sees it: no credentials (the key stays in the ingress), x-session-id set
+    to `session` (the model call's replica affinity reads that header)."""
+    dropped = {b"authorization", b"x-api-key", *((SESSION_HEADER.encode(),) if session else ())}
+    headers = [(k, v) for k, v in request.scope["headers"] if k.lower() not in dropped]
+    session_header = [(SESSION_HEADER.encode(), session.encode())] if session else []
+    return Request({**request.scope, "headers": [*headers, *session_header]}, request.receive)
+
+
+async def refuse_websocket(websocket: WebSocket) -> None:
+    """The Responses API's websocket transport is not served: 426 at once, on which Codex goes on over HTTP POST
+    for the rest of its session (any other answer costs it seven tries, about 6 s, and a 400 fails its turn)."""
+    message = "the WebSocket transport is not served; use POST /v1/responses (streamed with stream: true)"
+    refusal = {"error": {"message": message, "type": "invalid_request_error", "code": "websocket_not_supported"}}
+    try:
+        await websocket.send_denial_response(JSONResponse(refusal, status_code=426))
+    except RuntimeError:  # a server without the denial-response extension: a plain refusal
+        await websocket.close()
 
 
 def compaction_routes() -> dict[str, Any]:
@@ -386,4 +404,5 @@ def make_ingress(
     app.add_middleware(TenantGate, config=tenancy or TenancyConfig())
     app.add_middleware(AnthropicErrors)
     allow_origins(app, cors_origins)  # outermost: a preflight carries no key
+    app.add_api_websocket_route("/v1/responses", refuse_websocket)
     return make_fastapi_ingress(CompactionIngress, endpoint_map={**openai_routes(), **compaction_routes()}, app=app)

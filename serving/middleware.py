@@ -1,5 +1,5 @@
-"""The ingress's body guard: a body over the size limit (413), not JSON (415) or not UTF-8 (400) is refused
-before any handler reads it.
+"""The ingress's body guard: a body over the size limit (413), not JSON (415), not UTF-8 or nested deeper than
+MAX_DEPTH (400) is refused before any handler reads it.
 
 A body over the limit is read to its end (up to `DRAIN_LIMIT`) before the 413 goes out, so a
 client still sending it reads the answer instead of a connection reset.
@@ -7,6 +7,10 @@ client still sending it reads the answer instead of a connection reset.
 
 from __future__ import annotations
 
+import asyncio
+import re
+
+import numpy as np
 from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -16,6 +20,18 @@ from serving.errors import error_response
 
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 DRAIN_LIMIT = 1 << 30  # an oversize body is read (and dropped) up to this size so the client can read its 413
+MAX_DEPTH = 64  # JSON nesting a body may have (tool schemas nest about 10 deep; Python's decoders fail near 1,000)
+THREAD_ABOVE = 1 << 18  # a body this large is scanned off the event loop (16 MiB take about half a second)
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+_NESTING = np.zeros(256, dtype=np.int8)
+_NESTING[list(b"[{")] = 1
+_NESTING[list(b"]}")] = -1
+
+
+def json_depth(body: bytes) -> int:
+    """How deep a JSON text nests (strings skipped), in a few vectorised passes: no recursion, no parse."""
+    steps = _NESTING[np.frombuffer(_STRING.sub(b"0", body), dtype=np.uint8)]
+    return int(np.cumsum(steps, dtype=np.int64).max(initial=0))
 
 
 class _ClientLeft(Exception):
@@ -23,7 +39,7 @@ class _ClientLeft(Exception):
 
 
 class BodyGuard:
-    """Refuses a body over the size limit (413), not JSON (415) or not UTF-8 (400) before any handler."""
+    """Refuses a body over the size limit (413), not JSON (415), not UTF-8 or too deep (400) before any handler."""
 
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
         self.app = app
@@ -44,6 +60,10 @@ class BodyGuard:
         problem = self._problem(headers, body)
         if problem is not None:
             return await problem(scope, receive, send)
+        depth = json_depth(body) if len(body) < THREAD_ABOVE else await asyncio.to_thread(json_depth, body)
+        if depth > MAX_DEPTH:
+            message = f"body: JSON nested too deeply ({depth} levels, the limit is {MAX_DEPTH}); send flatter JSON"
+            return await error_response(400, "invalid_request_error", message, "body")(scope, receive, send)
         await self.app(scope, self._replay(body, receive), send)
 
     async def _read(self, receive: Receive, *, keep: bool) -> bytes | None:

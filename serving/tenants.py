@@ -4,7 +4,7 @@ Where the keys come from (read in the ingress's own process, never shipped in a 
 
     COMPACTION_API_KEY   (tenancy.api_key_env)    one key: the tenant "default"
     COMPACTION_API_KEYS  (tenancy.api_keys_env)   tenant:key entries, separated by commas or newlines
-    tenancy.api_keys_file                         a file of tenant:key lines ('#' starts a comment)
+    tenancy.api_keys_file                         a file of tenant:key lines ('#' after a space: a comment)
 
 Whitespace around a key, an entry or the whole value is dropped (a trailing newline from a Secret or
 `echo` never breaks matching); a variable that is set but holds no key is an error, never "auth off".
@@ -113,11 +113,23 @@ class Tenant:
 ANONYMOUS = Tenant(DEFAULT_TENANT)
 
 
+MIN_KEY_CHARS = 16  # a shorter API key is refused at start-up: it could be guessed
+_COMMENT = re.compile(r"(^|\s)#.*$")  # a comment starts at a '#' that opens the line or follows a space
+
+
+def _check_length(key: str, what: str) -> None:
+    if len(key) < MIN_KEY_CHARS:
+        raise ValueError(
+            f"{what} has {len(key)} characters, fewer than {MIN_KEY_CHARS}; use a random key, e.g. "
+            "python -c 'import secrets; print(secrets.token_urlsafe(32))'"
+        )
+
+
 def _entries(text: str, source: str, sep: str) -> list[tuple[str, str]]:
     """tenant:key entries of `text` (split on `sep` and newlines; blanks and # comments skipped)."""
     out = []
     for raw in re.split(f"[{re.escape(sep)}\\n]", text):
-        line = raw.split("#", 1)[0].strip() if sep == "\n" else raw.strip()
+        line = _COMMENT.sub("", raw).strip() if sep == "\n" else raw.strip()
         if not line:
             continue
         tenant, colon, key = line.partition(":")
@@ -126,6 +138,7 @@ def _entries(text: str, source: str, sep: str) -> list[tuple[str, str]]:
             raise ValueError(f"{source}: an entry is tenant:key, got one without a key")
         if not TENANT_ID.match(tenant):
             raise ValueError(f"{source}: tenant id {tenant!r} must match {TENANT_ID.pattern}")
+        _check_length(key, f"{source}: tenant {tenant}'s key")
         out.append((tenant, key))
     return out
 
@@ -138,6 +151,7 @@ def read_keys(config: TenancyConfig, environ: Mapping[str, str] | None = None) -
     if single is not None:
         if not single.strip():
             raise ValueError(f"{config.api_key_env} is set but empty; set it to the API key, or unset it")
+        _check_length(single.strip(), config.api_key_env)
         keys.append((DEFAULT_TENANT, single.strip()))
     many = env.get(config.api_keys_env)
     if many is not None:

@@ -18,6 +18,7 @@ the coordinator's side of a turn is `serving.background`.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import time
@@ -276,6 +277,13 @@ def needs_coordinator(
 CoordinatorCall = Callable[[ChatTurn], Awaitable[TurnCompaction]]
 
 
+def _counted(raw: list[Any], tools: Any, counter: PromptCounter, session: str | None) -> tuple[list[Message], int, int]:
+    """The turn's messages, its tool list's tokens and its prompt's tokens (tools included)."""
+    messages = parse_messages(raw)
+    tool_tokens = counter.tool_tokens(tools)
+    return messages, tool_tokens, counter.count(messages, session) + tool_tokens
+
+
 async def prepare_turn(
     body: dict[str, Any],
     session: str | None,
@@ -301,9 +309,8 @@ async def prepare_turn(
     raw = body.get("messages")
     if not isinstance(raw, list) or not raw:
         raise InvalidInput("messages", "send a non-empty list of chat messages")
-    messages = parse_messages(raw)
-    tools = counter.tool_tokens(body.get("tools"))
-    tokens = counter.count(messages, session) + tools
+    # Parsing and counting a long history takes a while: off the event loop, which other requests share.
+    messages, tools, tokens = await asyncio.to_thread(_counted, raw, body.get("tools"), counter, session)
     growth = counter.growth(session, tokens)
     idle = counter.arrived(session)
     if not needs_coordinator(tokens, entry, session, growth, force):

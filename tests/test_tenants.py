@@ -31,20 +31,23 @@ CONFIG = TenancyConfig(api_key_env="K", api_keys_env="KS")
 
 def test_keys_survive_whitespace_and_newlines(tmp_path: Path) -> None:
     keys = tmp_path / "keys"
-    keys.write_text("# team keys\n  team-a : alpha-key  \n\nteam-b:beta-key # rotated monthly\n")
+    keys.write_text("# team keys\n  team-a : alpha-key-0123456789  \n\nteam-b:beta#key-0123456789 # rotated monthly\n")
     config = CONFIG.model_copy(update={"api_keys_file": str(keys)})
-    found = read_keys(config, {"K": "solo-key\n", "KS": " team-c:gamma\n, team-d:delta ,"})
+    found = read_keys(
+        config, {"K": "solo-key-0123456789\n", "KS": " team-c:gamma-0123456789\n, team-d:delta-0123456789 ,"}
+    )
     assert found == [
-        (DEFAULT_TENANT, "solo-key"),
-        ("team-c", "gamma"),
-        ("team-d", "delta"),
-        ("team-a", "alpha-key"),
-        ("team-b", "beta-key"),
+        (DEFAULT_TENANT, "solo-key-0123456789"),
+        ("team-c", "gamma-0123456789"),
+        ("team-d", "delta-0123456789"),
+        ("team-a", "alpha-key-0123456789"),
+        ("team-b", "beta#key-0123456789"),  # a '#' inside a key is part of it
     ]
     table = KeyTable(found)
-    assert table.match("solo-key") is not None and table.match("solo-key").id == DEFAULT_TENANT  # type: ignore[union-attr]
-    assert table.match(" alpha-key\n").id == "team-a"  # type: ignore[union-attr]
-    assert table.match("alpha-ke") is None and table.match("") is None
+    solo = table.match("solo-key-0123456789")
+    assert solo is not None and solo.id == DEFAULT_TENANT
+    assert table.match(" alpha-key-0123456789\n").id == "team-a"  # type: ignore[union-attr]
+    assert table.match("alpha-key-012345678") is None and table.match("") is None
 
 
 @pytest.mark.parametrize(
@@ -54,7 +57,9 @@ def test_keys_survive_whitespace_and_newlines(tmp_path: Path) -> None:
         ({"KS": " , \n"}, None, "KS is set but holds no tenant:key"),
         ({"KS": "just-a-key"}, None, "tenant:key"),
         ({"KS": "bad tenant!:k"}, None, "tenant id"),
-        ({"K": "same", "KS": "b:same"}, None, "the same API key is configured twice"),
+        ({"K": "same-0123456789ab", "KS": "b:same-0123456789ab"}, None, "the same API key is configured twice"),
+        ({"K": "short"}, None, "K has 5 characters, fewer than 16; use a random key"),
+        ({}, "a: short-key\n", "tenant a's key has 9 characters"),
         ({}, "# nothing here\n\n", "holds no tenant:key line"),
     ],
 )

@@ -178,10 +178,13 @@ async def compacted_turn(tokenizer: ChatTokenizer, **edit_fields: Any) -> tuple[
     return call, forward, outcome
 
 
-async def test_a_compacted_turn_answers_with_the_block_first_and_its_iterations(tokenizer: ChatTokenizer) -> None:
+@pytest.mark.parametrize("finish", ["tool_calls", "stop"])  # a forced (named) tool call finishes with "stop"
+async def test_a_compacted_turn_answers_with_the_block_first_and_its_iterations(
+    tokenizer: ChatTokenizer, finish: str
+) -> None:
     call, forward, outcome = await compacted_turn(tokenizer)
     tool_call = {"id": "call_1", "type": "function", "function": {"name": "read_file", "arguments": '{"i": 3}'}}
-    out = BetaMessage.model_validate(message(completion("module_3.py.", [tool_call], "tool_calls"), call, outcome,
+    out = BetaMessage.model_validate(message(completion("module_3.py.", [tool_call], finish), call, outcome,
                                              forward["messages"]))  # fmt: skip
     assert [b.type for b in out.content] == ["compaction", "text", "tool_use"] and out.stop_reason == "tool_use"
     block = out.content[0]
@@ -213,10 +216,11 @@ async def test_pause_after_compaction_answers_the_block_alone_and_the_resend_is_
     assert parsed[-2].type == "message_delta" and parsed[-2].delta.stop_reason == "compaction"
 
 
-async def test_the_stream_is_messages_events_the_sdk_reads(tokenizer: ChatTokenizer) -> None:
+@pytest.mark.parametrize("finish", ["tool_calls", "stop"])
+async def test_the_stream_is_messages_events_the_sdk_reads(tokenizer: ChatTokenizer, finish: str) -> None:
     call, forward, outcome = await compacted_turn(tokenizer)
     tool = {"name": "read_file", "arguments": '{"i": 3}'}
-    chunks = chat_chunks(chat_stream(["modu", "le_3", ".py"], tool=tool, finish="tool_calls"))
+    chunks = chat_chunks(chat_stream(["modu", "le_3", ".py"], tool=tool, finish=finish))
     text = "".join([e async for e in stream(chunks, call, outcome, forward["messages"])])
     events = [EVENTS.validate_python(json.loads(e.split("data: ", 1)[1])) for e in text.strip().split("\n\n")]
     kinds = [e.type for e in events]

@@ -10,7 +10,23 @@ from typing import Any
 
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from compaction.errors import InvalidInput
 from serving.turns import TurnCompaction
+
+# vLLM's request fields only the service may set: the engine's scheduling priority (a client's would rank its
+# turns above every other agent's), its request ids, transfer and extension hooks, a template of its own, raw
+# embeddings. A client that sends one is refused, naming it; none reaches an engine.
+SERVICE_FIELDS = (
+    "priority", "request_id", "kv_transfer_params", "ec_transfer_params", "vllm_xargs", "chat_template",
+    "mm_processor_kwargs", "media_io_kwargs", "mm_payload", "routed_experts_prompt_start", "prompt_embeds",
+)  # fmt: skip
+
+
+def refuse_service_fields(body: dict[str, Any]) -> None:
+    """Raises InvalidInput naming the first field of SERVICE_FIELDS the client's body carries."""
+    for name in SERVICE_FIELDS:
+        if name in body:
+            raise InvalidInput(name, f"{name} is set by the service, not by a client; drop it from the request")
 
 
 def compaction_json(outcome: TurnCompaction) -> dict[str, Any]:

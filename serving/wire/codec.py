@@ -25,11 +25,12 @@ from typing import Any
 from compaction.context_edits import Edit
 from compaction.errors import InvalidInput
 from compaction.history import Message, parse_messages
+from serving.middleware import MAX_DEPTH, json_depth
 from serving.turns import WIRE_FIELD, TurnCompaction
 
 SESSION_HEADER = "x-session-id"
 PREFIX = "pc1."
-MAX_DECODED_BYTES = 64 << 20  # a decoded item may not inflate past this (a compressed bomb is refused)
+MAX_DECODED_BYTES = 16 << 20  # a decoded item may not inflate past this (a compressed bomb is refused)
 
 
 @dataclass(frozen=True)
@@ -114,7 +115,9 @@ def decode(value: Any, field: str) -> list[Message]:
         inflate = zlib.decompressobj()
         text = inflate.decompress(packed, MAX_DECODED_BYTES)
         if inflate.unconsumed_tail or not inflate.eof:
-            raise ValueError("truncated or too large")
+            raise ValueError(f"truncated, or inflating past {MAX_DECODED_BYTES} bytes")
+        if json_depth(text) > MAX_DEPTH:
+            raise ValueError(f"JSON nested deeper than {MAX_DEPTH}")
         raw = json.loads(text)
     except (binascii.Error, zlib.error, ValueError) as exc:
         raise InvalidInput(field, f"malformed compaction encoding ({exc}); send the item back unchanged") from exc

@@ -52,12 +52,14 @@ def usage(chat: dict[str, Any] | None, outcome: TurnCompaction | None, answered:
     return {**message, **({"iterations": iterations} if iterations else {})}
 
 
-def stop_reason(choice: dict[str, Any], call: ChatCall) -> tuple[str, str | None]:
-    """The Messages stop_reason (and stop_sequence) of a chat choice."""
+def stop_reason(choice: dict[str, Any], call: ChatCall, called: bool = False) -> tuple[str, str | None]:
+    """The Messages stop_reason (and stop_sequence) of a chat choice; `called`: it made a tool call (a forced
+    call ends with finish_reason "stop", and Anthropic's clients run tools on "tool_use" only)."""
     matched = choice.get("stop_reason")
     if isinstance(matched, str) and matched in call.echo.get("stop_sequences", []):
         return "stop_sequence", matched
-    return STOP_REASONS.get(choice.get("finish_reason") or "stop", "end_turn"), None
+    finish = choice.get("finish_reason") or "stop"
+    return ("tool_use" if called and finish == "stop" else STOP_REASONS.get(finish, "end_turn")), None
 
 
 def _envelope(call: ChatCall, content: list[dict[str, Any]], reason: str | None, stop: str | None) -> dict[str, Any]:
@@ -89,7 +91,7 @@ def message(
     if chat.get("content"):
         content.append({"type": "text", "text": chat["content"]})
     content += [_tool_use(c.get("id"), c.get("function") or {}) for c in chat.get("tool_calls") or []]
-    reason, stop = stop_reason(choice, call)
+    reason, stop = stop_reason(choice, call, bool(chat.get("tool_calls")))
     answer = {**_envelope(call, content, reason, stop), "usage": usage(completion.get("usage"), outcome)}
     return {**answer, "compaction": outcome_json(outcome)}
 
@@ -110,6 +112,7 @@ class _Stream:
     def __init__(self) -> None:
         self.index = -1  # the open block's index; -1 before the first
         self.key: str | int | None = None  # "text", or the chat tool call index the open block streams
+        self.called = False  # a tool_use block was streamed
 
     def block(self, key: str | int | None, start: dict[str, Any]) -> Iterator[str]:
         yield from self.close()
@@ -164,7 +167,7 @@ async def stream(
                 yield text
     for text in out.close():
         yield text
-    reason, stop = stop_reason(last, call)
+    reason, stop = stop_reason(last, call, out.called)
     delta = {"stop_reason": reason, "stop_sequence": stop}
     final = {
         "delta": delta,
@@ -183,6 +186,7 @@ def _deltas(out: _Stream, delta: dict[str, Any]) -> Iterator[str]:
         yield out.delta({"type": "text_delta", "text": delta["content"]})
     for call in delta.get("tool_calls") or []:
         index, function = call.get("index", 0), call.get("function") or {}
+        out.called = True
         if out.key != index:
             yield from out.block(index, _tool_use(call.get("id"), {"name": function.get("name") or ""}))
         if function.get("arguments"):

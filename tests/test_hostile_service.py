@@ -1,0 +1,87 @@
+"""Hostile input through the real service: an engine priority or other engine field from a client, JSON nested
+without end, a compaction item that inflates without end, the Responses websocket, and a maximal legal block
+counted while the ingress keeps answering others."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import time
+import zlib
+from typing import Any
+
+import httpx
+import pytest
+
+from compaction.history import parse_messages
+from serving.wire.codec import MAX_DECODED_BYTES, PREFIX, encode
+from tests.support import SERVED_MODEL, auth
+
+pytestmark = [pytest.mark.ray, pytest.mark.engine]
+
+SHORT = [{"role": "user", "content": "Say hi."}]
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/chat/completions", {"model": SERVED_MODEL, "messages": SHORT, "max_tokens": 4, "priority": -1}),
+        ("/v1/completions", {"model": SERVED_MODEL, "prompt": "Hi", "max_tokens": 4, "priority": -1}),
+        ("/v1/chat/completions", {"model": SERVED_MODEL, "messages": SHORT, "request_id": "someone-elses"}),
+    ],
+)
+def test_a_client_cannot_set_the_engines_priority_or_internals(client: httpx.Client, path: str, body: Any) -> None:
+    refused = client.post(path, json=body)
+    assert 400 <= refused.status_code < 500, refused.text
+    named = next(k for k in ("priority", "request_id") if k in body)
+    assert refused.json()["error"]["param"] == named and "set by the service" in refused.text
+
+
+def test_json_nested_deep_is_a_400_naming_the_body(client: httpx.Client) -> None:
+    message = {"role": "user", "content": "x", "x": "NEST"}
+    deep = json.dumps({"model": SERVED_MODEL, "messages": [message]}).replace('"NEST"', "[" * 300 + "]" * 300)
+    refused = client.post("/v1/compact", content=deep, headers={"content-type": "application/json"})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "body", refused.text
+
+
+def test_a_compaction_item_that_inflates_without_end_is_refused_naming_it(client: httpx.Client) -> None:
+    text = b'[{"role": "user", "content": "' + b"a" * (MAX_DECODED_BYTES + 1) + b'"}]'
+    bomb = PREFIX + base64.urlsafe_b64encode(zlib.compress(text, 9)).decode().rstrip("=")
+    items = [{"type": "compaction", "encrypted_content": bomb}, {"role": "user", "content": "Go on."}]
+    refused = client.post("/v1/responses", json={"model": SERVED_MODEL, "input": items, "max_output_tokens": 4})
+    assert 400 <= refused.status_code < 500, refused.text
+    assert refused.json()["error"]["param"] == "input[0].encrypted_content", refused.text
+
+
+def test_the_responses_websocket_is_refused_at_once_with_426(service: Any) -> None:
+    upgrade = {"Upgrade": "websocket", "Connection": "Upgrade", "Sec-WebSocket-Version": "13",
+               "Sec-WebSocket-Key": "dGhlIHNhbXBsZSBub25jZQ==", **auth()}  # fmt: skip
+    refused = httpx.get(f"{service.url}/v1/responses", headers=upgrade, timeout=30)
+    assert refused.status_code == 426 and "POST /v1/responses" in refused.text, (refused.status_code, refused.text)
+
+
+async def test_the_ingress_answers_others_while_it_counts_a_maximal_block(service: Any) -> None:
+    """A Messages block carrying 20,000 messages (a body of a few hundred KiB) takes a while to decode, parse and
+    count: meanwhile /healthz keeps answering (before, the count ran on the event loop and froze the ingress)."""
+    carried = [{"role": ("user", "assistant")[i % 2], "content": f"Step {i} done."} for i in range(20_000)]
+    block = {"type": "compaction", "content": "Summary.", "encrypted_content": encode(parse_messages(carried))}
+    messages = [*SHORT, {"role": "assistant", "content": [block]}, {"role": "user", "content": "Go on."}]
+    async with httpx.AsyncClient(base_url=service.url, headers=auth(), timeout=600) as http:
+        began = time.monotonic()
+        count = asyncio.create_task(
+            http.post("/v1/messages/count_tokens", json={"model": SERVED_MODEL, "messages": messages})
+        )
+        waits: list[float] = []
+        while not count.done():
+            asked = time.monotonic()
+            assert (await http.get("/healthz")).status_code == 200
+            waits.append(time.monotonic() - asked)
+        counted, took = await count, time.monotonic() - began
+    assert counted.status_code == 200 and counted.json()["input_tokens"] > 20_000, counted.text[:300]
+    print(
+        f"count_tokens of 20,000 carried messages: {took:.2f} s; /healthz answered {len(waits)} times meanwhile, "
+        f"worst {max(waits):.3f} s"
+    )
+    # Side by side in one run: no /healthz waited for the count (a frozen loop makes one wait nearly all of it).
+    assert len(waits) >= 3 and max(waits) < took / 2

@@ -98,19 +98,25 @@ class Compactor:
         try:
             async with asyncio.TaskGroup() as group:
                 tasks = {
-                    k: group.create_task(self._summarise(target, plan, k, keys[k]))
+                    k: group.create_task(self._summarise_and_keep(target, plan, k, keys[k]))
                     for k in range(len(plan.prompts))
                     if k not in reused
                 }
         except ExceptionGroup as failed:  # one chunk failed for good; the others were cancelled
             raise failed.exceptions[0] from None
         per_chunk = [reused[k] if k in reused else tasks[k].result() for k in range(len(plan.prompts))]
-        if self.cache is not None:
-            for k, task in tasks.items():
-                stats, text = task.result()
-                prompt = plan.prompts[k]
-                self.cache.put(plan.scope, plan.history.token_ids, prompt.chunk, prompt.view, text, stats)
         return self._merge(plan, per_chunk, time.perf_counter() - began)
+
+    async def _summarise_and_keep(
+        self, backend: Backend, plan: CompactionPlan, k: int, route: str | None
+    ) -> tuple[ChunkStats, str]:
+        """Chunk k's summary, put in the chunk cache the moment it is done: a run cancelled (its deadline, a
+        client gone, a turn that escalates it) or failed in another chunk leaves its finished chunks reusable."""
+        stats, text = await self._summarise(backend, plan, k, route)
+        if self.cache is not None:
+            prompt = plan.prompts[k]
+            self.cache.put(plan.scope, plan.history.token_ids, prompt.chunk, prompt.view, text, stats)
+        return stats, text
 
     def reusable(self, plan: CompactionPlan) -> frozenset[int]:
         """Chunks whose summary the chunk cache already holds: `run` sends no prompt for them."""

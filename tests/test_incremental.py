@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
@@ -136,3 +137,33 @@ async def test_summaries_past_the_carry_limit_are_summarised_again_on_their_own(
     assert plan.span[0] == starts[1] and starts[2] in [c.end for c in plan.chunks]  # a border after the summary
     second = await compactor.compact(history, {**OPTIONS, "carry_summary_tokens": 8})
     assert sum(is_summary(m) for m in second.messages) == 1
+
+
+async def test_a_cancelled_compaction_leaves_its_finished_chunks_reusable(tokenizer: ChatTokenizer) -> None:
+    """Each chunk's summary enters the cache the moment it is done: a run cancelled while one chunk still
+    decodes (its deadline, a client gone, an escalation) leaves the others for the next compaction."""
+    cache = ChunkCache()
+    compactor, backend = make(tokenizer, cache)
+    history = SYSTEM + turns(0, 30)
+    chunks = len(compactor.plan(history, OPTIONS).prompts)
+    stuck = asyncio.Event()
+    answer = backend.generate
+
+    async def last_never_ends(request: GenerationRequest) -> Any:
+        if len(backend.requests) == chunks - 1:  # the last chunk sent
+            backend.requests.append(request)
+            stuck.set()
+            await asyncio.Event().wait()
+        return await answer(request)
+
+    backend.generate = last_never_ends  # type: ignore[method-assign]
+    run = asyncio.create_task(compactor.compact(history, OPTIONS))
+    await stuck.wait()
+    while len(cache) < chunks - 1:
+        await asyncio.sleep(0)
+    run.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await run
+    again, backend2 = make(tokenizer, cache)
+    result = await again.compact(history, OPTIONS)
+    assert result.stats.reused_chunks == chunks - 1 and len(backend2.requests) == 1

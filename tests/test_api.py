@@ -173,13 +173,14 @@ def test_invalid_input_raised_inside_names_its_field() -> None:
 
 
 def test_the_api_key_guards_everything_but_health(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("TEST_COMPACTION_KEY", "s3cret-0123456789ab")
+    key = "s3cret-0123456789ab"
+    monkeypatch.setenv("TEST_COMPACTION_KEY", key)
     client = TestClient(app())
     assert client.post("/v1/compact", json=GOOD).status_code == 401
     wrong = client.post("/v1/compact", json=GOOD, headers={"authorization": "Bearer nope"})
     assert wrong.status_code == 401 and wrong.headers["www-authenticate"] == "Bearer"
-    assert client.post("/v1/compact", json=GOOD, headers={"authorization": "Bearer s3cret-0123456789ab"}).status_code == 200
-    assert client.post("/v1/compact", json=GOOD, headers={"x-api-key": "s3cret-0123456789ab"}).status_code == 200  # anthropic's
+    assert client.post("/v1/compact", json=GOOD, headers={"authorization": f"Bearer {key}"}).status_code == 200
+    assert client.post("/v1/compact", json=GOOD, headers={"x-api-key": key}).status_code == 200  # anthropic's
     assert client.post("/v1/compact", json=GOOD, headers={"x-api-key": "nope"}).status_code == 401
     assert client.get("/healthz").status_code == 200
 

@@ -168,6 +168,10 @@ def test_everything_before_the_last_compaction_block_is_ignored() -> None:
     with pytest.raises(InvalidInput) as caught:
         chat_messages([{"role": "assistant", "content": [{"type": "compaction", "content": " "}]}])
     assert caught.value.field == "messages[0].content[0].content"
+    stripped = {"type": "compaction", "content": f"{SUMMARY_HEADER}\nA."}  # ours, its encoding lost on the way
+    with pytest.raises(InvalidInput, match="without its encrypted_content") as caught:
+        chat_messages([*history, {"role": "assistant", "content": [stripped]}])  # not read as a foreign summary
+    assert caught.value.field == f"messages[{len(history)}].content[0].encrypted_content"
 
 
 async def compacted_turn(tokenizer: ChatTokenizer, **edit_fields: Any) -> tuple[ChatCall, dict[str, Any], Any]:

@@ -307,8 +307,13 @@ def _expand(block: dict[str, Any], at: str) -> list[dict[str, Any]]:
             "this compaction block holds nothing (no encrypted_content, no summary text); send the block back as "
             "the service sent it (its content_block_start carries both), or drop it and send the messages it replaced",
         )
-    text = summary if summary.startswith(SUMMARY_HEADER) else f"{SUMMARY_HEADER}\n{summary}"
-    return [{"role": "user", "content": text}]
+    if summary.startswith(SUMMARY_HEADER):  # ours: its turns (the request it answered among them) are in the encoding
+        raise InvalidInput(
+            f"{at}.encrypted_content",
+            "this compaction block came from this service without its encrypted_content, which holds the turns it "
+            "kept; send the block back as the service sent it, or drop it and send the messages it replaced",
+        )
+    return [{"role": "user", "content": f"{SUMMARY_HEADER}\n{summary}"}]
 
 
 def _call(block: dict[str, Any], at: str) -> dict[str, Any]:

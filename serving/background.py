@@ -30,6 +30,8 @@ from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from pydantic import BaseModel
+
 from compaction.bounded import BoundedLRU
 from compaction.errors import BackendError, CompactionError, InvalidInput, NothingToCompact
 from compaction.history import Message
@@ -172,6 +174,7 @@ class SessionCompactions:
         warmed = asyncio.create_task(_lean(lambda: self._warmed(compaction, job, urgent)), name=f"warm-{session}")
         for task in (compaction, warmed):
             task.add_done_callback(_retrieve)
+        warmed.add_done_callback(lambda _: _retrieve(compaction))  # re-raised in _warmed: its frames again
         sessions = self._sessions(turn)
         stale = sessions.pop(session)
         if stale is not None:  # a snapshot of a history the client no longer has, or of other options
@@ -287,10 +290,22 @@ def _compose(
 
 
 def _lean_message(message: Message) -> Message:
-    """The message without extra fields (the template reads none of them; a background run keeps no more)."""
-    if not message.model_extra:
-        return message
-    return Message.model_validate(message.model_dump(include=set(Message.model_fields), exclude_none=True))
+    """The message rebuilt from its declared fields alone, at every level (content parts and tool calls too): the
+    template reads no extra field, so a background run keeps none."""
+    return Message.model_validate(_declared(message))
+
+
+def _declared(model: BaseModel) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name in type(model).model_fields:
+        value = getattr(model, name)
+        if isinstance(value, BaseModel):
+            value = _declared(value)
+        elif isinstance(value, list):
+            value = [_declared(v) if isinstance(v, BaseModel) else v for v in value]
+        if value is not None:
+            out[name] = value
+    return out
 
 
 async def _lean(work: Callable[[], Coroutine[Any, Any, ServiceResult]]) -> ServiceResult:
@@ -301,6 +316,7 @@ async def _lean(work: Callable[[], Coroutine[Any, Any, ServiceResult]]) -> Servi
         error: Exception = Failure.of(exc).exception()
     except Exception as exc:  # whatever failed, the turn that uses the run compacts again
         error = BackendError(f"{type(exc).__name__}: {exc}")
+    del work  # the task keeps the error's traceback, which holds this frame: not the job `work` closes over
     raise error
 
 
@@ -311,6 +327,7 @@ def _measure(running: _Running, task: asyncio.Task[ServiceResult]) -> None:
 
 
 def _retrieve(task: asyncio.Task[ServiceResult]) -> None:
-    """Mark a background failure as seen (it is reported on the turn that uses it), so asyncio does not log it."""
-    if not task.cancelled():
-        task.exception()
+    """Mark a background failure as seen (it is reported on the turn that uses it), so asyncio does not log it,
+    and keep the error alone: its traceback's frames hold the job (every message of the snapshot)."""
+    if not task.cancelled() and (error := task.exception()) is not None:
+        error.__traceback__ = error.__context__ = error.__cause__ = None

@@ -102,6 +102,14 @@ class AppArgs(BaseModel):
         description="Bytes per coordinator replica the kept background compactions may hold (a running one: its "
         "job; a finished one: its result); the least recently started go first. Default 512 MiB.",
     )
+    chat_background_per_tenant: int = Field(
+        8,
+        ge=1,
+        le=100_000,
+        description="Background compactions one tenant may have running at once per coordinator replica; past it, "
+        "a turn starts none (its session compacts blocking at its threshold), so one tenant's flood of cheap "
+        "turns cannot hold the admission every other tenant's compactions need.",
+    )
     chunk_cache_bytes: int = Field(
         CHUNK_CACHE_BYTES,
         ge=1 << 16,
@@ -216,6 +224,7 @@ class CoordinatorDeployment:
             warm=coordinator.warm,
             max_sessions=args.chat_sessions,
             max_bytes=args.chat_session_bytes,
+            max_running_per_tenant=args.chat_background_per_tenant,
         )
         self._gauges: asyncio.Task[None] | None = None
 

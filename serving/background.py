@@ -101,11 +101,13 @@ class SessionCompactions:
         warm: WarmFn | None = None,
         max_sessions: int = 4096,
         max_bytes: int = DEFAULT_MAX_BYTES,
+        max_running_per_tenant: int = 8,
     ) -> None:
         self._compact = compact
         self._warm = warm
         self.max_sessions = max_sessions
         self.max_bytes = max_bytes
+        self.max_running_per_tenant = max_running_per_tenant
         # Per tenant (each bounded by max_sessions, so one tenant's sessions never evict another's):
         self._runs: dict[str, BoundedLRU[str, _Running]] = {}  # session -> its background run (evicted: cancelled)
         self._formats: dict[str, BoundedLRU[str, Wire]] = {}  # session -> the format it speaks
@@ -128,6 +130,9 @@ class SessionCompactions:
         has_session = turn.session_id is not None
         action = decide(turn.prompt_tokens, turn.entry, state, has_session, turn.growth, turn.idle_s, turn.force)
         if action == "start_background":
+            if not self._room_for(turn):
+                full = f"no background compaction: this tenant has {self.max_running_per_tenant} running already"
+                return TurnCompaction(status="none", prompt_tokens=turn.prompt_tokens, note=full)
             self._start(turn, turn.messages, digests)
             return TurnCompaction(status="running", prompt_tokens=turn.prompt_tokens)
         if action == "none":
@@ -143,6 +148,12 @@ class SessionCompactions:
             return await self._apply(turn, tokenizer, result, source, began, note)
         except CompactionError as exc:
             return self._unapplied(turn, exc, note)
+
+    def _room_for(self, turn: ChatTurn) -> bool:
+        """Whether the turn's tenant may start one more background run (its own session's counts as replaced)."""
+        runs = self._sessions(turn)
+        others = [r for key, r in runs.items() if key != turn.session_id and not r.warmed.done()]
+        return len(others) < self.max_running_per_tenant
 
     def _check_wire(self, turn: ChatTurn) -> None:
         """A session speaks one API format: a turn of another is refused, never mixed in silently."""
@@ -235,7 +246,7 @@ class SessionCompactions:
             head, through = _compose(result, len(head), through, prompt)
             prompt = spliced(head, through, turn.messages)
             tokens = prompt_tokens(prompt, tokenizer) + turn.tool_tokens
-        if turn.session_id and wants_background(tokens, turn.growth, turn.entry, turn.idle_s):
+        if turn.session_id and wants_background(tokens, turn.growth, turn.entry, turn.idle_s) and self._room_for(turn):
             self._start(turn, prompt, message_digests(prompt))  # the compacted prompt is the next snapshot
         return TurnCompaction(
             status="applied",

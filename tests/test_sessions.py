@@ -351,3 +351,28 @@ async def test_background_runs_are_bounded_in_bytes(tokenizer: HFChatTokenizer) 
         assert (await sessions.turn(first, tokenizer)).status == "running"
     assert len(sessions) == 2 and sessions.bytes() <= 2.5 * one  # the least recently started went first
     gate.set()
+
+
+async def test_one_tenants_flood_of_background_runs_is_capped_and_others_still_start(
+    tokenizer: HFChatTokenizer,
+) -> None:
+    gate = asyncio.Event()
+
+    async def slow(job: CompactJob, urgent: asyncio.Event | None = None) -> ServiceResult:
+        await gate.wait()
+        raise BackendError("released")
+
+    sessions = SessionCompactions(slow, max_running_per_tenant=2)
+    history = [SYSTEM, *conversation(0, 16)]
+
+    def of(tenant: str, session: str) -> ChatTurn:
+        return turn(tokenizer, history, session, background_threshold=700).model_copy(update={"tenant": tenant})
+
+    flood = [await sessions.turn(of("a", f"s{i}"), tokenizer) for i in range(3)]
+    assert [o.status for o in flood] == ["running", "running", "none"]
+    assert flood[2].note is not None and "has 2 running already" in flood[2].note
+    assert (await sessions.turn(of("b", "s0"), tokenizer)).status == "running"  # another tenant is not held back
+    gate.set()
+    await until(lambda: sessions.running() == 0)
+    assert (await sessions.turn(of("a", "s9"), tokenizer)).status == "running"  # room again once they ended
+    await until(lambda: sessions.running() == 0)

@@ -29,6 +29,7 @@ import httpx
 import yaml
 
 APP_NAME = "compaction"
+SHUTDOWN_S = 60.0  # stop() waits this long for Serve and Ray to shut down
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -209,10 +210,19 @@ class LocalService:
         if not ray.is_initialized():
             return
         say("shutting down Serve" + (" and Ray" if self._own_ray else ""))
-        with silenced_output() if self.quiet else contextlib.nullcontext():
-            serve.shutdown()
-            if self._own_ray:
-                ray.shutdown()
+
+        def shutdown() -> None:
+            with silenced_output() if self.quiet else contextlib.nullcontext():
+                serve.shutdown()
+                if self._own_ray:
+                    ray.shutdown()
+
+        # A Ray whose node died can keep serve.shutdown() waiting for minutes: give it a bound.
+        worker = threading.Thread(target=shutdown, name="shutdown", daemon=True)
+        worker.start()
+        worker.join(SHUTDOWN_S)
+        if worker.is_alive():
+            say(f"Ray did not shut down within {SHUTDOWN_S:.0f} s; leaving it (`ray stop --force` cleans up)")
 
     def __enter__(self) -> LocalService:
         try:
@@ -245,14 +255,41 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     try:
         with service:  # Ctrl-C while starting interrupts the start and shuts down what is up
-            signal.signal(signal.SIGINT, lambda *_: stop.set())
-            signal.signal(signal.SIGTERM, lambda *_: stop.set())
+            signal.signal(signal.SIGINT, lambda *_: _stopping(stop))
+            signal.signal(signal.SIGTERM, lambda *_: _stopping(stop))
             say(f"compaction service up: {service.url}  (POST /v1/compact, /v1/chat/completions, docs at /docs)")
             say("Ctrl-C to stop")
-            stop.wait()
+            code = watch(service.url, stop)
     except KeyboardInterrupt:
         say("interrupted while starting; stopped")
         return 130
+    return code
+
+
+def _stopping(stop: threading.Event) -> None:
+    """The first Ctrl-C stops the service in order; a second one exits at once (Ray may be stuck)."""
+    if stop.is_set():
+        say("second interrupt: exiting without waiting for Ray")
+        os._exit(130)
+    stop.set()
+    say("stopping (Ctrl-C again to exit at once)")
+
+
+def watch(url: str, stop: threading.Event, every_s: float = 5.0, lost_after: int = 3) -> int:
+    """Waits for `stop` (0) while the service's port answers; 1 once it refused `lost_after` checks in a row
+    (the proxy is gone: its Ray node died), saying so."""
+    refused = 0
+    while not stop.wait(every_s):
+        try:
+            httpx.get(f"{url}/healthz", timeout=10)
+            refused = 0
+        except httpx.ConnectError:
+            refused += 1
+        except httpx.HTTPError:  # slow under load is not gone
+            refused = 0
+        if refused >= lost_after:
+            say(f"{url} stopped accepting connections (its Ray node died?); exiting. Check `ray status`, then rerun.")
+            return 1
     return 0
 
 

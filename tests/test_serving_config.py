@@ -84,3 +84,18 @@ def test_the_cpu_engines_run_bf16_only_where_the_cpu_computes_it(tmp_path: Path,
     assert cpu_dtype(cpuinfo) == dtype
     assert cpu_dtype(tmp_path / "absent") == "float32"
     assert load_catalogue().get("smollm2-135m-instruct").engine_args()["dtype"] == cpu_dtype()
+
+
+def test_the_local_service_exits_non_zero_once_its_port_is_gone_and_zero_when_stopped() -> None:
+    import socket
+    import threading
+
+    from serving.local import watch
+
+    with socket.socket() as probe:  # a port nothing listens on: what is left when the node's proxy died
+        probe.bind(("127.0.0.1", 0))
+        gone = f"http://127.0.0.1:{probe.getsockname()[1]}"
+    assert watch(gone, threading.Event(), every_s=0.01, lost_after=3) == 1
+    stopped = threading.Event()
+    stopped.set()
+    assert watch(gone, stopped, every_s=0.01) == 0

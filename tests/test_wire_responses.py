@@ -88,11 +88,19 @@ def test_the_session_is_the_header_else_prompt_cache_key() -> None:
     assert to_chat(request("hi", prompt_cache_key="k1"), None).wire_field(WIRE_FIELD) == "prompt_cache_key"
 
 
+def test_a_json_schema_text_format_becomes_the_engines_grammar() -> None:
+    schema = {"type": "object", "properties": {"verdict": {"enum": ["ok", "fail"]}}, "required": ["verdict"]}
+    call = to_chat(request("hi", text={"format": {"type": "json_schema", "name": "v", "schema": schema}}), None)
+    grammar = {"name": "v", "schema": schema, "strict": True}
+    assert call.body["response_format"] == {"type": "json_schema", "json_schema": grammar}
+    assert "response_format" not in to_chat(request("hi", text={"format": {"type": "text"}}), None).body
+
+
 @pytest.mark.parametrize(
     ("fields", "field"),
     [
         ({"previous_response_id": "resp_1"}, "previous_response_id"),
-        ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}}, "text.format"),
+        ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format"),  # no schema
         ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type"),
         ({"input": [{"role": "user", "content": [{"type": "input_video", "url": "x"}]}]}, "input[0].content[0]"),
         ({"conversation": "conv_1"}, "conversation"),

@@ -240,11 +240,13 @@ def test_the_sdks_raise_their_own_errors(service: Any) -> None:
 
 
 def test_the_openai_agents_sdks_compaction_session_compacts_through_the_service(service: Any) -> None:
-    """The Agents SDK, unmodified: an agent on /v1/responses whose session calls /v1/responses/compact itself
-    once four model items have piled up, and goes on from the compaction item. Every turn is a tool call the
-    agent is made to send (a named tool_choice, a strict schema: the engine's grammar writes it, so the turn ends
-    the same way on any machine) and the tool's answer ends the run: tool calls and their results round-trip
-    through the service, and through its compaction."""
+    """The Agents SDK, unmodified: agents on /v1/responses whose session calls /v1/responses/compact itself once
+    four model items have piled up, and goes on from the compaction item. A recorder agent's turns are each a tool
+    call it is made to send (a named tool_choice, a strict schema: the engine's grammar writes it, so the turn
+    ends the same way on any machine) and the tool's answer ends its run; the SDK compacts only after a model's
+    answer, never right after a local tool's output, so a reviewer agent (no tools, a typed answer the grammar
+    writes) ends every second step. Tool calls and their results round-trip through the service, and through
+    its compaction."""
     import asyncio
 
     from agents import (
@@ -258,9 +260,13 @@ def test_the_openai_agents_sdks_compaction_session_compacts_through_the_service(
     )
     from agents.memory import OpenAIResponsesCompactionSession
     from openai import AsyncOpenAI
+    from pydantic import BaseModel
+
+    class Verdict(BaseModel):
+        verdict: Literal["ok", "fail"]
 
     set_tracing_disabled(True)  # no trace export to api.openai.com
-    steps = [f"Step {i}: " + " ".join(f"module_{i}.py line {n} splits on commas." for n in range(30)) for i in range(5)]
+    steps = [f"Step {i}: " + " ".join(f"module_{i}.py line {n} splits on commas." for n in range(30)) for i in range(4)]
     calls: list[str] = []
 
     @function_tool
@@ -269,14 +275,17 @@ def test_the_openai_agents_sdks_compaction_session_compacts_through_the_service(
         calls.append(verdict)
         return f"recorded {verdict}"
 
-    async def run() -> tuple[list[Any], list[str]]:
+    async def run() -> tuple[list[Any], list[Any]]:
         client = AsyncOpenAI(base_url=f"{service.url}/v1", api_key=SERVICE_KEY, max_retries=0)
-        settings = ModelSettings(max_tokens=64, temperature=0, store=False, tool_choice="record")
         model = OpenAIResponsesModel(model=SERVED_ALIAS, openai_client=client)
-        agent = Agent(
-            name="coder", instructions="Record the verdict of each step.", model=model, model_settings=settings,
-            tools=[record], tool_use_behavior="stop_on_first_tool",
+        settings = ModelSettings(max_tokens=64, temperature=0, store=False)
+        forced = settings.resolve(ModelSettings(tool_choice="record"))
+        recorder = Agent(
+            name="coder", instructions="Record the verdict of each step.", model=model, tools=[record],
+            model_settings=forced, tool_use_behavior="stop_on_first_tool",
         )  # fmt: skip
+        reviewer = Agent(name="reviewer", instructions="Give the step's verdict.", model=model,
+                         model_settings=settings, output_type=Verdict)  # fmt: skip
         key = session()
         compacting = OpenAIResponsesCompactionSession(
             key,
@@ -286,11 +295,15 @@ def test_the_openai_agents_sdks_compaction_session_compacts_through_the_service(
             compaction_mode="input",
             should_trigger_compaction=lambda context: len(context["compaction_candidate_items"]) >= 4,
         )
-        answers = [str((await Runner.run(agent, step, session=compacting)).final_output) for step in steps]
+        answers = []
+        for step in steps:
+            answers.append((await Runner.run(recorder, step, session=compacting)).final_output)
+            answers.append((await Runner.run(reviewer, "And your verdict?", session=compacting)).final_output)
         return await compacting.get_items(), answers
 
     items, answers = asyncio.run(run())
-    assert len(calls) == len(steps) and all(a.startswith("recorded ") for a in answers), (calls, answers)
+    assert len(calls) == len(steps) and all(str(a).startswith("recorded ") for a in answers[::2]), (calls, answers)
+    assert all(isinstance(a, Verdict) for a in answers[1::2]), answers
     kinds = [item.get("type") for item in items if isinstance(item, dict)]
     assert "compaction" in kinds, kinds  # the session's history now starts from our compaction item
-    assert len(items) < 3 * len(steps)  # shorter than the 15 items (message, call, output) the five turns left
+    assert len(items) < 6 * len(steps)  # shorter than the 24 items the four steps left (task, call, output, x2)

@@ -80,7 +80,9 @@ class ResponsesRequest(BaseModel):
     )
     previous_response_id: str | None = Field(None, description="Refused: responses are not stored.")
     prompt_cache_key: str | None = Field(None, description="The session id when no x-session-id header is sent.")
-    text: dict[str, Any] | None = Field(None, description='Only {"format": {"type": "text"}}.')
+    text: dict[str, Any] | None = Field(
+        None, description="format: text, json_object, or json_schema (the engine's grammar follows the schema)."
+    )
     store: Unused = None
     metadata: Unused = None
     include: Unused = None
@@ -125,9 +127,6 @@ def to_chat(request: ResponsesRequest, header_session: str | None) -> ChatCall:
         raise InvalidInput("background", "background responses are not served (nothing is stored); send stream")
     if request.prompt is not None:
         raise InvalidInput("prompt", "stored prompt templates are not served; send instructions and input")
-    fmt = (request.text or {}).get("format")
-    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-        raise InvalidInput("text.format", 'only {"type": "text"} is served; structured output is not')
     system = [{"role": "system", "content": request.instructions}] if request.instructions else []
     messages, compact_now = input_messages(request.input, trigger_allowed=True)
     body: dict[str, Any] = {"model": request.model, "messages": system + messages, "stream": request.stream}
@@ -140,6 +139,9 @@ def to_chat(request: ResponsesRequest, header_session: str | None) -> ChatCall:
     body.update({k: v for k, v in options.items() if v is not None})
     if request.stream:
         body["stream_options"] = {"include_usage": True}
+    response_format = _response_format((request.text or {}).get("format"))
+    if response_format is not None:
+        body["response_format"] = response_format
     functions, namespaces = _tools(request.tools or [])
     if functions:
         body["tools"] = [{"type": "function", "function": _function(t)} for t in functions]
@@ -305,6 +307,20 @@ def _function(tool: FunctionTool) -> dict[str, Any]:
     if tool.strict is not None:  # strict: the engine constrains a forced call's arguments to the schema
         function["strict"] = tool.strict
     return function
+
+
+def _response_format(fmt: Any) -> dict[str, Any] | None:
+    """text.format as the chat request's response_format: a JSON schema (the engine's grammar follows it) or JSON."""
+    if fmt is None or (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        return None
+    if isinstance(fmt, dict) and fmt.get("type") == "json_object":
+        return {"type": "json_object"}
+    if isinstance(fmt, dict) and fmt.get("type") == "json_schema" and isinstance(fmt.get("schema"), dict):
+        name = fmt.get("name") if isinstance(fmt.get("name"), str) and fmt.get("name") else "output"
+        return {"type": "json_schema", "json_schema": {"name": name, "schema": fmt["schema"], "strict": True}}
+    raise InvalidInput(
+        "text.format", 'send {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "schema": {...}}'
+    )
 
 
 def _tool_choice(choice: str | dict[str, Any]) -> str | dict[str, Any]:

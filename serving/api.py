@@ -52,7 +52,7 @@ from serving.tenants import (
     tenant_of,
 )
 from serving.turns import FIELD as CONTEXT_MANAGEMENT
-from serving.turns import ChatTurn, PromptCounter, TurnCompaction, Wire, edited, fit, prepare_turn
+from serving.turns import ChatTurn, PromptCounter, TurnCompaction, Wire, counted, edited, fit, prepare_turn
 from serving.wire import messages as wire_messages
 from serving.wire import messages_answer, responses_answer
 from serving.wire import responses as wire_responses
@@ -237,12 +237,8 @@ class CompactionIngress(OpenAiIngress):
         """Tokens of the prompt the model would see for this request, by its chat template."""
         call = self._served(await asyncio.to_thread(wire_messages.to_chat, body, None))
         counter = self._counter(str(call.body["model"]), tenant_of(request))
-
-        def count() -> int:
-            tools = counter.tool_tokens(call.body.get("tools"))
-            return counter.count(parse_messages(call.body["messages"]), None) + tools
-
-        return {"input_tokens": await asyncio.to_thread(count)}
+        _, _, tokens = await asyncio.to_thread(counted, call.body["messages"], call.body.get("tools"), counter, None)
+        return {"input_tokens": tokens}
 
     def _served(self, call: ChatCall) -> ChatCall:
         """The call for the hosted model its name or alias names, with the operator's default compaction entry

@@ -277,7 +277,7 @@ def needs_coordinator(
 CoordinatorCall = Callable[[ChatTurn], Awaitable[TurnCompaction]]
 
 
-def _counted(raw: list[Any], tools: Any, counter: PromptCounter, session: str | None) -> tuple[list[Message], int, int]:
+def counted(raw: list[Any], tools: Any, counter: PromptCounter, session: str | None) -> tuple[list[Message], int, int]:
     """The turn's messages, its tool list's tokens and its prompt's tokens (tools included)."""
     messages = parse_messages(raw)
     tool_tokens = counter.tool_tokens(tools)
@@ -310,7 +310,7 @@ async def prepare_turn(
     if not isinstance(raw, list) or not raw:
         raise InvalidInput("messages", "send a non-empty list of chat messages")
     # Parsing and counting a long history takes a while: off the event loop, which other requests share.
-    messages, tools, tokens = await asyncio.to_thread(_counted, raw, body.get("tools"), counter, session)
+    messages, tools, tokens = await asyncio.to_thread(counted, raw, body.get("tools"), counter, session)
     growth = counter.growth(session, tokens)
     idle = counter.arrived(session)
     if not needs_coordinator(tokens, entry, session, growth, force):

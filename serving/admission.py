@@ -5,11 +5,18 @@ Pure (asyncio only; no Ray import). The coordinator holds one `Gate` per model a
 Gate
     Capacity is counted in sequences, the unit an engine batches: a compaction of N chunks keeps up
     to N chunk prompts in flight, so it holds N of the model's `capacity` sequences while it runs.
-    Waiting is first come, first served: the head of the queue starts as soon as it fits, and nothing
-    overtakes it (a large compaction is not starved by small ones). A compaction larger than the
-    whole capacity starts alone once nothing else runs. `max_running` optionally caps the number of
-    compactions running at once. Beyond `max_queued` waiting compactions, `Overloaded` with a
-    Retry-After estimated from how long recent compactions took and how many are ahead.
+    A compaction larger than the whole capacity starts alone once nothing else runs. `max_running`
+    optionally caps the number of compactions running at once.
+    Waiting is fair, in lanes: an agent is waiting on a compaction of the agent lane (blocking), or on a
+    background run whose `urgent` event its turn set; those go before background runs. Within a lane
+    the tenant with the fewest compactions running goes first, then the one served longest ago (round
+    robin), then the oldest. The chosen head starts as soon as it fits, and nothing overtakes it (a
+    large compaction is not starved by small ones).
+    Beyond `max_queued` waiting compactions, `Overloaded` with a Retry-After estimated from how long
+    recent compactions took and how many are ahead, unless the newcomer outranks a waiter: a full queue
+    makes room for the agent lane by refusing a background run, and for a tenant by refusing a waiter
+    of a tenant queuing more (its youngest, in the same lane): one tenant alone may fill the queue, and
+    cannot shut the others out of it.
 
 SharedRuns
     Identical concurrent requests (same session, same job) run once and every caller gets the
@@ -22,14 +29,17 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import dataclasses
+import itertools
 import math
 import time
-from collections import deque
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Hashable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
+from compaction.bounded import BoundedLRU
 from compaction.errors import Overloaded
 
 T = TypeVar("T")
@@ -47,7 +57,15 @@ class Limits:
 @dataclass(eq=False)
 class _Waiter:
     sequences: int  # what the waiting compaction will hold once admitted
+    tenant: str
+    background: bool
+    urgent: asyncio.Event | None  # set when an agent's turn waits for this background run: it joins the agent lane
+    arrived: int
     granted: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+    @property
+    def agent_lane(self) -> bool:
+        return not self.background or (self.urgent is not None and self.urgent.is_set())
 
 
 @dataclass(frozen=True)
@@ -70,7 +88,10 @@ class Gate:
         self.on_change = on_change  # told every new state (metrics)
         self._running = 0
         self._sequences = 0
-        self._queue: deque[_Waiter] = deque()
+        self._queue: list[_Waiter] = []
+        self._arrivals = itertools.count()
+        self._by_tenant: Counter[str] = Counter()  # compactions running per tenant
+        self._served: BoundedLRU[str, int] = BoundedLRU(4096)  # tenant -> when it was last admitted (round robin)
         self._typical_s = typical_s  # moving estimate of one compaction's run time, for Retry-After
 
     def state(self) -> GateState:
@@ -78,7 +99,7 @@ class Gate:
 
     def resize(self, capacity: int) -> None:
         """New sequence capacity (replicas came or went); waiting compactions that now fit start."""
-        self.limits = Limits(max(1, capacity), self.limits.max_queued, self.limits.max_running)
+        self.limits = dataclasses.replace(self.limits, capacity=max(1, capacity))
         self._wake()
 
     def retry_after_s(self) -> float:
@@ -87,49 +108,72 @@ class Gate:
         return float(min(120, max(1, math.ceil(waves * self._typical_s))))
 
     @asynccontextmanager
-    async def admitted(self, sequences: int) -> AsyncIterator[float]:
+    async def admitted(
+        self, sequences: int, tenant: str = "", *, background: bool = False, urgent: asyncio.Event | None = None
+    ) -> AsyncIterator[float]:
         """Hold `sequences` while the body runs; yields the seconds spent waiting. Raises Overloaded when full."""
         began = time.perf_counter()
-        need = max(1, sequences)
-        if self._queue or not self._fits(need):
-            await self._wait(need)
+        waiter = _Waiter(max(1, sequences), tenant, background, urgent, next(self._arrivals))
+        if self._queue or not self._fits(waiter.sequences):
+            await self._wait(waiter)
         else:
-            self._take(need)
+            self._take(waiter)
         waited = time.perf_counter() - began
         try:
             yield waited
         finally:
-            self._release(need, time.perf_counter() - began - waited)
+            self._release(waiter, time.perf_counter() - began - waited)
 
     def _fits(self, need: int) -> bool:
         if self.limits.max_running is not None and self._running >= self.limits.max_running:
             return False
         return self._running == 0 or self._sequences + need <= self.limits.capacity
 
-    def _take(self, need: int) -> None:
+    def _take(self, waiter: _Waiter) -> None:
         self._running += 1
-        self._sequences += need
+        self._sequences += waiter.sequences
+        self._by_tenant[waiter.tenant] += 1
+        self._served.put(waiter.tenant, waiter.arrived)
         self._changed()
 
     def _changed(self) -> None:
         if self.on_change is not None:
             self.on_change(self.state())
 
-    async def _wait(self, need: int) -> None:
-        if len(self._queue) >= self.limits.max_queued:
-            raise Overloaded(
-                f"{self._running} compactions are running and {len(self._queue)} are queued for this model "
-                f"(admission.max_queued = {self.limits.max_queued}); retry after the Retry-After seconds",
-                self.retry_after_s(),
-            )
-        waiter = _Waiter(need)
+    def _overloaded(self, why: str) -> Overloaded:
+        return Overloaded(
+            f"{self._running} compactions are running and {len(self._queue)} are queued for this model ({why}); "
+            "retry after the Retry-After seconds",
+            self.retry_after_s(),
+        )
+
+    def _make_room(self, waiter: _Waiter) -> None:
+        """Raises Overloaded unless `waiter` may queue, refusing a waiter it outranks when the queue is full."""
+        if len(self._queue) < self.limits.max_queued:
+            return
+        queued = Counter(w.tenant for w in self._queue)
+
+        def outranked(w: _Waiter) -> bool:
+            if w.agent_lane != waiter.agent_lane:
+                return waiter.agent_lane
+            return queued[w.tenant] > queued[waiter.tenant] + 1
+
+        displaceable = [w for w in self._queue if outranked(w)]
+        if not displaceable:
+            raise self._overloaded(f"admission.max_queued = {self.limits.max_queued}")
+        victim = max(displaceable, key=lambda w: (not w.agent_lane, queued[w.tenant], w.arrived))
+        self._queue.remove(victim)
+        victim.granted.set_exception(self._overloaded("an agent's compaction or a tenant queuing less took its place"))
+
+    async def _wait(self, waiter: _Waiter) -> None:
+        self._make_room(waiter)
         self._queue.append(waiter)
         self._changed()
         try:
             await waiter.granted
         except BaseException:
-            if waiter.granted.done() and not waiter.granted.cancelled():
-                self._release(need, None)  # granted just as the caller left: give the slot back
+            if waiter.granted.done() and not waiter.granted.cancelled() and waiter.granted.exception() is None:
+                self._release(waiter, None)  # granted just as the caller left: give the slot back
             else:
                 if waiter in self._queue:
                     self._queue.remove(waiter)
@@ -137,21 +181,34 @@ class Gate:
                 self._changed()
             raise
 
-    def _release(self, need: int, ran_s: float | None) -> None:
+    def _release(self, waiter: _Waiter, ran_s: float | None) -> None:
         self._running -= 1
-        self._sequences -= need
+        self._sequences -= waiter.sequences
+        self._by_tenant[waiter.tenant] -= 1
+        if self._by_tenant[waiter.tenant] <= 0:
+            del self._by_tenant[waiter.tenant]
         if ran_s is not None:
             self._typical_s = 0.8 * self._typical_s + 0.2 * ran_s
         self._wake()
         self._changed()
 
+    def _head(self) -> _Waiter:
+        """Agent lane first, then the tenant with the fewest running, then the one served longest ago, then the
+        oldest."""
+
+        def rank(w: _Waiter) -> tuple[bool, int, int, int]:
+            served = self._served.peek(w.tenant)
+            return not w.agent_lane, self._by_tenant[w.tenant], -1 if served is None else served, w.arrived
+
+        return min(self._queue, key=rank)
+
     def _wake(self) -> None:
-        while self._queue and (self._queue[0].granted.done() or self._fits(self._queue[0].sequences)):
-            waiter = self._queue.popleft()
-            if waiter.granted.done():  # its caller left (cancelled) and will not take the slot
-                continue
-            self._take(waiter.sequences)
-            waiter.granted.set_result(None)
+        for gone in [w for w in self._queue if w.granted.done()]:  # their callers left and will not take a slot
+            self._queue.remove(gone)
+        while self._queue and self._fits((head := self._head()).sequences):
+            self._queue.remove(head)
+            self._take(head)
+            head.granted.set_result(None)
 
 
 @dataclass(eq=False)

@@ -267,7 +267,8 @@ class Coordinator:
         gate = self._gates[job.model]
         gate.resize(runtime.batch_sequences * replicas)
         sequences = len(plan.prompts) - reusable  # chunks from the cache send no prompt
-        async with gate.admitted(sequences) as waited:
+        background = job.priority == "background"  # in the agent lane once `urgent` is set
+        async with gate.admitted(sequences, job.tenant, background=background, urgent=urgent) as waited:
             result = await self._run(runtime, plan, job, replicas, urgent)
         return result.model_copy(update={"stats": result.stats.model_copy(update={"queue_wait_s": round(waited, 4)})})
 

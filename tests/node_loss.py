@@ -3,10 +3,12 @@
 Three Ray nodes on this machine (`ray.cluster_utils.Cluster`): a head without the model, and two worker nodes that
 each declare one `model_node` slot. The CPU default model runs two replicas that ask for that slot, hence one per
 node (a catalogue copy with `replica_resources`), so each worker node holds one replica.
-Then, while a compaction whose chunks are spread over both replicas runs (long by construction: every chunk summary
-is forced to 400 tokens), the whole worker node of one replica (its raylet, its replica and engine, whatever
-coordinator landed there) is killed without warning. Writes one JSON object to --out: status codes, failovers,
-recovery time and what the killed node held. (A sweep resuming after its driver stopped: tests/test_sweep.py.)
+Then, while a compaction whose chunks are spread over both replicas runs on the engines (the victim node's vLLM
+gauge shows its requests running; every chunk summary is forced to a length that doubles until the compaction is
+still running when the gauge shows it, so it is long by measurement on any CPU), the whole worker node of one replica
+(its raylet, its replica and engine, whatever coordinator landed there) is killed without warning. Writes one JSON
+object to --out: status codes, failovers, recovery time and what the killed node held. (A sweep resuming after its
+driver stopped: tests/test_sweep.py.)
 """
 
 from __future__ import annotations
@@ -25,11 +27,13 @@ import psutil
 import yaml
 
 from jobs.bench.processes import raylet_of, service_processes
+from tests.support import samples, scrape
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "smollm2-135m-instruct"
 SLOT = "model_node"
 HISTORY_TURNS = 24
+METRICS_INTERVAL_MS = 1000  # the gauge the kill waits on is fresh within a second
 
 
 def history(turns: int, tag: str) -> list[dict[str, str]]:
@@ -122,7 +126,13 @@ def run(out: Path, work: Path) -> dict[str, Any]:
 
     catalogue = work / "catalogue.yaml"
     catalogue_copy(catalogue)
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
+    os.environ["RAY_metrics_report_interval_ms"] = str(METRICS_INTERVAL_MS)  # noqa: SIM112 (Ray reads this name)
+    head = {
+        "num_cpus": 2,
+        "include_dashboard": False,
+        "_system_config": {"metrics_report_interval_ms": METRICS_INTERVAL_MS},
+    }
+    cluster = Cluster(initialize_head=True, head_node_args=head)
     workers = [cluster.add_node(num_cpus=2, resources={SLOT: 1}) for _ in range(2)]
     ray.init(address=cluster.address, runtime_env={"env_vars": worker_env(True)}, log_to_driver=False)
     port = int(os.environ.get("NODE_LOSS_PORT", "18480"))
@@ -157,24 +167,50 @@ def probe_until_200(client: httpx.Client, since: float, limit_s: float = 120) ->
     return probes
 
 
+def running_on(node_id: str) -> float:
+    """Requests the engine on that node is running (vLLM's gauge on the node's own metrics endpoint; 0 if gone)."""
+    import ray
+
+    ports = [n["MetricsExportPort"] for n in ray.nodes() if n["NodeID"] == node_id and n["Alive"]]
+    try:
+        return sum(samples(scrape(f"http://127.0.0.1:{ports[0]}/metrics"), "ray_vllm_num_requests_running"))
+    except (IndexError, httpx.HTTPError):
+        return 0.0
+
+
+def wait_until(check: Any, limit_s: float = 120) -> bool:
+    began = time.monotonic()
+    while not check():
+        if time.monotonic() - began > limit_s:
+            return False
+        time.sleep(0.1)
+    return True
+
+
 def kill_and_measure(cluster: Any, workers: list[Any], url: str) -> dict[str, Any]:
     outcome: dict[str, Any] = {}
+    ingress_nodes = {p.node_id for p in service_processes() if p.role == "ingress"}
+    victim = next((w for w in workers if w.node_id not in ingress_nodes), workers[0])
     with httpx.Client(base_url=url, timeout=400) as client:
-        warm = post(client, compact_body(history(HISTORY_TURNS, "warm"), "spread"))
-        big = threading.Thread(
-            target=lambda: outcome.update(post(client, compact_body(history(HISTORY_TURNS, "a"), "spread", 400)))
-        )
-        big.start()
-        time.sleep(2.0)  # the compaction is planned and on the engines: 400 decode steps a chunk take far longer
-        ingress_nodes = {p.node_id for p in service_processes() if p.role == "ingress"}
-        victim = next((w for w in workers if w.node_id not in ingress_nodes), workers[0])
+        warm = post(client, compact_body(history(HISTORY_TURNS // 3, "warm"), "spread"))
+        for tokens in (2**k for k in range(5, 11)):  # doubles until it is still running when the gauge shows it
+            outcome.clear()
+            wait_until(lambda: running_on(victim.node_id) == 0)
+            body = compact_body(history(HISTORY_TURNS, f"a{tokens}"), "spread", tokens)
+            big = threading.Thread(target=lambda body=body: outcome.update(post(client, body)))
+            big.start()
+            wait_until(lambda big=big: not big.is_alive() or running_on(victim.node_id) > 0)
+            if big.is_alive():
+                break
+            big.join()
         killed_at = time.monotonic()
         held = kill_node(cluster, victim)
         probes = probe_until_200(client, killed_at)
         big.join()
-        after = post(client, compact_body(history(HISTORY_TURNS, "b"), "spread"))
+        after = post(client, compact_body(history(HISTORY_TURNS // 3, "b"), "spread"))
     return {
         "warm": warm,
+        "forced_tokens": tokens,
         "killed_node_held": held,
         "killed_mid_compaction": outcome.get("ended", 0) > killed_at > outcome.get("began", 0),
         "during": outcome,

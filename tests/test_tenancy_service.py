@@ -3,8 +3,10 @@ and a tenant that knows another's session id and first messages getting nothing 
 
 from __future__ import annotations
 
+import asyncio
 import os
 import random
+import time
 import uuid
 from typing import Any
 
@@ -13,8 +15,9 @@ import pytest
 
 from serving.ray_adapter import http_host
 from serving.tenants import KeyTable, TenancyConfig, check_exposure
-from tests.support import SERVED_MODEL, SERVICE_KEY, TENANT_KEYS, auth
+from tests.support import SERVED_MODEL, SERVICE_KEY, TENANT_KEYS, auth, scrape_sum
 from tests.test_chat_service import coding_history
+from tests.test_production import cheap, long_compaction, wait_for
 
 pytestmark = [pytest.mark.ray, pytest.mark.engine]
 
@@ -138,3 +141,43 @@ def test_the_key_never_travels_with_the_application(service: Any) -> None:
     assert SERVICE_KEY in os.environ["COMPACTION_API_KEY"]
     assert SERVICE_KEY not in shipped and "COMPACTION_API_KEY'" not in repr(ingress.ray_actor_options)
     assert ingress.init_kwargs["tenancy"].api_keys_file == "/etc/compaction/keys"
+
+
+async def test_an_agents_compaction_goes_before_queued_background_runs(service: Any, metrics_url: str) -> None:
+    """The admission gate's lanes on the real service. One coordinator (one session id) runs four of tenant A's
+    background compactions (its `max_running`), long by construction, with four more of A's background runs
+    queued behind them; then tenant B's agent compaction (blocking: the caller waits) arrives last. When the four
+    running ones end (their callers leave), B's compaction takes the first free slot and the last of A's queued
+    runs starts only after one of those admitted ends. A FIFO gate would admit A's four queued runs first."""
+    session = f"lanes-{uuid.uuid4().hex[:8]}"
+
+    def gate(name: str) -> float:
+        return scrape_sum(metrics_url, name, model=SERVED_MODEL)
+
+    def body(tag: str, **options: Any) -> dict[str, Any]:
+        return {**cheap(f"[{tag}] The crew logged the position.", session_id=session), **options}
+
+    async def sent(http: httpx.AsyncClient, payload: dict[str, Any], headers: dict[str, str]) -> tuple[float, Any]:
+        """(when the request was sent, its response)."""
+        return time.monotonic(), await http.post("/v1/compact", json=payload, headers=headers)
+
+    await asyncio.to_thread(
+        wait_for, lambda: gate("ray_compaction_running") + gate("ray_compaction_queue_depth") == 0, 120
+    )
+    async with httpx.AsyncClient(base_url=service.url, timeout=600) as http:
+        running = [
+            asyncio.create_task(http.post("/v1/compact", json={**long_compaction(2000, lines=12, session_id=session),
+                                "priority": "background", "messages": body(f"long {i}")["messages"] * 8}, headers=A))
+            for i in range(4)
+        ]  # fmt: skip
+        await asyncio.to_thread(wait_for, lambda: gate("ray_compaction_running") == 4, 120)
+        queued = [asyncio.create_task(sent(http, body(f"queued {i}", priority="background"), A)) for i in range(4)]
+        await asyncio.to_thread(wait_for, lambda: gate("ray_compaction_queue_depth") == 4, 120)
+        agent = asyncio.create_task(sent(http, body("agent"), B))
+        await asyncio.to_thread(wait_for, lambda: gate("ray_compaction_queue_depth") == 5, 120)
+        for task in running:
+            task.cancel()  # their callers leave: the four slots free at once
+        answers = [await task for task in [*queued, agent]]
+    assert all(response.status_code == 200 for _, response in answers), [r.text for _, r in answers]
+    admitted = [when + response.json()["stats"]["queue_wait_s"] for when, response in answers]
+    assert admitted[-1] < max(admitted[:-1]), admitted  # B before the last of A's queued runs

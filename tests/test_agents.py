@@ -16,6 +16,7 @@ import json
 import os
 import sqlite3
 import subprocess
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -32,6 +33,10 @@ ROOT = Path(__file__).resolve().parents[1]
 BIN = ROOT / ".agents" / "node_modules" / ".bin"
 TURN_TIMEOUT_S = 900
 NOTES = " ".join(f"Note {i}: module_{i}.py parses field {i} of the record with split on commas." for i in range(40))
+# Short answers whatever the numeric path: a schema with a bounded string (the engine's grammar ends it), which
+# Codex sends as its `--output-schema` and Claude Code as its output format.
+ANSWER = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 80}}, "required": ["answer"],
+          "additionalProperties": False}  # fmt: skip
 PROMPTS = [
     f"Reply with one short sentence: what is a parser?\n\n{NOTES}",
     "Turn two. Reply with one short sentence: what is a lexer?",
@@ -46,6 +51,12 @@ class Session:
 
     home: Path
     turns: list[subprocess.CompletedProcess[str]] = field(default_factory=list)
+    seconds: list[float] = field(default_factory=list)
+
+    def turn(self, command: list[str], cwd: Path, env: dict[str, str]) -> None:
+        began = time.monotonic()
+        self.turns.append(run(command, cwd, env))
+        self.seconds.append(round(time.monotonic() - began, 1))
 
 
 def run(command: list[str], cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
@@ -63,9 +74,9 @@ def play(first: list[str], then: Callable[[str], list[str]], home: Path, env: di
     work.mkdir(exist_ok=True)
     session = Session(home)
     env = {**env, "PWD": str(work)}  # OpenCode takes its project folder from PWD
-    session.turns.append(run(first, work, env))
+    session.turn(first, work, env)
     for prompt in PROMPTS[1:]:
-        session.turns.append(run(then(prompt), work, env))
+        session.turn(then(prompt), work, env)
     return session
 
 
@@ -110,19 +121,19 @@ def codex(url: str, home: Path) -> Session:
     config = CODEX_CONFIG.format(model=CODEX_ALIAS, url=url, instructions=home / "instructions.md")
     (codex_home / "config.toml").write_text(config)
     env = {"CODEX_HOME": str(codex_home), "HOME": str(home), "COMPACTION_API_KEY": SERVICE_KEY}
+    (home / "answer.json").write_text(json.dumps(ANSWER))
     binary = str(BIN / "codex")
     flags = ["exec", "--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox"]
+    flags += ["--output-schema", str(home / "answer.json")]
     return play([binary, *flags, PROMPTS[0]], lambda p: [binary, *flags, "resume", "--last", p], home, env)
 
 
 def claude(url: str, home: Path) -> Session:
     edit = {"type": "compact_20260112", "trigger": {"type": "input_tokens", "value": 1300}, "chunk_tokens": 256,
             "max_chunk_summary_tokens": 32, "keep_recent_tokens": 256}  # fmt: skip
-    # Short answers whatever the numeric path: a schema with a bounded string (the engine's grammar ends it).
-    answer = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 80}}, "required": ["answer"]}
     extra = {
         "context_management": {"edits": [edit]},
-        "output_config": {"format": {"type": "json_schema", "schema": answer}},
+        "output_config": {"format": {"type": "json_schema", "schema": ANSWER}},
     }
     env = {
         "HOME": str(home), "ANTHROPIC_BASE_URL": url, "ANTHROPIC_API_KEY": SERVICE_KEY, "ANTHROPIC_MODEL": SERVED_MODEL,
@@ -138,7 +149,7 @@ def opencode(url: str, home: Path) -> Session:
     off = ("task", "todowrite", "webfetch", "skill", "edit", "write", "glob", "grep", "read")
     provider = {"npm": "@ai-sdk/openai-compatible", "name": "Compaction service",
                 "options": {"baseURL": f"{url}/v1", "apiKey": SERVICE_KEY},
-                "models": {OPENCODE_ALIAS: {"name": "SmolLM2", "limit": {"context": 8192, "output": 96}}}}  # fmt: skip
+                "models": {OPENCODE_ALIAS: {"name": "SmolLM2", "limit": {"context": 8192, "output": 48}}}}  # fmt: skip
     config = {"provider": {"compaction": provider}, "model": f"compaction/{OPENCODE_ALIAS}",
               "small_model": f"compaction/{OPENCODE_ALIAS}", "autoupdate": False, "share": "disabled",
               "permission": {"bash": "allow"}, "tools": {name: False for name in off},
@@ -167,8 +178,9 @@ def session_of(sessions: dict[str, Session], name: str) -> Session:
     if name not in sessions:
         pytest.skip(f"{name} is not installed: `make agents` installs the pinned agent CLIs with npm into .agents/")
     session = sessions[name]
-    for turn in session.turns:
-        print(f"$ {' '.join(turn.args[:3])} ... -> {turn.returncode}\n{turn.stdout[-400:]}\n{turn.stderr[-400:]}")
+    for turn, seconds in zip(session.turns, session.seconds, strict=True):
+        print(f"$ {' '.join(turn.args[:3])} ... -> {turn.returncode} in {seconds} s\n{turn.stdout[-400:]}\n"
+              f"{turn.stderr[-400:]}")  # fmt: skip
     assert [t.returncode for t in session.turns] == [0] * len(PROMPTS), [t.stderr[-1500:] for t in session.turns]
     assert all(t.stdout.strip() for t in session.turns)  # every turn answered
     return session

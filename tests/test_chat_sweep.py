@@ -67,7 +67,7 @@ async def test_a_chat_agent_cell_through_the_service(
     service: Any, model_path: Path, tmp_path: Path, locomo: list[dict[str, Any]]
 ) -> None:
     cfg = SweepConfig.model_validate(
-        config(limit=3, questions_per_document=1, modes=["background_parallel"], chunk_tokens=[256],
+        config(limit=2, questions_per_document=1, modes=["background_parallel"], chunk_tokens=[256],
                summary_tokens=64, answer_tokens=12, background_share=0.6, judge=False)
     )  # fmt: skip
     (cell,) = expand(cfg, CATALOGUE).cells

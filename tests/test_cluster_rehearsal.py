@@ -61,19 +61,18 @@ def node_args(node_type: str, declared: dict[str, int]) -> list[str]:
 
 
 def kill_group(pgid: int) -> None:
-    """SIGTERM the node's process group, then SIGKILL what is left (gcs_server ignores SIGTERM while busy)."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
+    """SIGKILL the node's process group (a rehearsal keeps nothing) and wait until it is gone."""
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
         try:
-            os.killpg(pgid, sig)
+            os.killpg(pgid, 0)
         except ProcessLookupError:
             return
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                os.killpg(pgid, 0)
-            except ProcessLookupError:
-                return
-            time.sleep(0.5)
+        time.sleep(0.2)
 
 
 def leftover_pids(temp_dir: str) -> list[int]:
@@ -98,8 +97,9 @@ def rehearsal_cluster() -> Iterator[str]:
     env = os.environ | {"RAY_AUTH_MODE": "disabled"}
     address = f"127.0.0.1:{GCS_PORT}"
     groups: list[int] = []
+
     try:
-        for node_type in ("head", "gpu-h100x2-nvlink", "gpu-h100x1"):
+        for node_type in ("head", "gpu-h100x2-nvlink", "gpu-h100x1"):  # one at a time: at once overloads the GCS
             if node_type == "head":
                 where = [f"--port={GCS_PORT}", "--head", "--include-dashboard=false", f"--temp-dir={temp_dir}"]
                 where += ["--ray-client-server-port=18201", "--dashboard-port=18208"]

@@ -35,6 +35,12 @@ async def cold(compactor: Compactor, history: list, **options: Any):
     return await compactor.compact(history, {"chunk_tokens": CHUNK, "max_chunk_summary_tokens": 32, **options})
 
 
+@pytest.fixture(scope="module")
+async def exact(compactor: Compactor, history: list) -> Any:
+    """The stats of one cold prefix-exact compaction of the history, which several tests compare against."""
+    return (await cold(compactor, history, retry_bad_summaries=False)).stats
+
+
 @pytest.mark.parametrize("strategy", ["parallel", "sequential"])
 async def test_both_strategies_summarise_and_shorten(compactor: Compactor, history: list, strategy: str) -> None:
     result = await cold(compactor, history, strategy=strategy, max_chunk_summary_tokens=48)
@@ -47,30 +53,28 @@ async def test_both_strategies_summarise_and_shorten(compactor: Compactor, histo
     assert stats.prompt_tokens == stats.cached_prompt_tokens + stats.computed_prefill_tokens
 
 
-async def test_prefix_exact_prefill_reaches_the_floor(compactor: Compactor, history: list) -> None:
-    stats = (await cold(compactor, history, retry_bad_summaries=False)).stats
+async def test_prefix_exact_prefill_reaches_the_floor(exact: Any) -> None:
+    stats = exact
     assert stats.chunks == 3
     assert stats.computed_prefill_tokens <= 1.05 * stats.prefill_floor_tokens
     assert stats.cached_prompt_tokens > 0  # chunk prompts reused each other's history
 
 
-async def test_paper_layout_prefills_measurably_more(compactor: Compactor, history: list) -> None:
-    exact = (await cold(compactor, history, retry_bad_summaries=False)).stats
+async def test_paper_layout_prefills_measurably_more(compactor: Compactor, history: list, exact: Any) -> None:
     paper = (await cold(compactor, history, layout="paper", retry_bad_summaries=False)).stats
     # chunk k sits untagged in prompt k+1, so about (2N-1)·B instead of N·B is computed
     assert paper.computed_prefill_tokens > 1.4 * exact.computed_prefill_tokens
     assert paper.computed_prefill_tokens > 1.4 * paper.prefill_floor_tokens
 
 
-async def test_warm_agent_cache_leaves_little_to_prefill(compactor: Compactor, history: list) -> None:
+async def test_warm_agent_cache_leaves_little_to_prefill(compactor: Compactor, history: list, exact: Any) -> None:
     options = {"retry_bad_summaries": False}
-    cold_stats = (await cold(compactor, history, **options)).stats
     await compactor.backend.reset_prefix_cache()  # type: ignore[attr-defined]
     await prime_agent_cache(compactor, history)  # the agent's next-turn prompt fills the cache
     warm = (await compactor.compact(history, {"chunk_tokens": CHUNK, "max_chunk_summary_tokens": 32, **options})).stats
     # what is left is the prompts' own tails (instructions chosen by content), about a quarter of a 512-token chunk
     assert warm.computed_prefill_tokens < 0.35 * warm.input_tokens
-    assert warm.computed_prefill_tokens < 0.35 * cold_stats.computed_prefill_tokens
+    assert warm.computed_prefill_tokens < 0.35 * exact.computed_prefill_tokens
 
 
 async def test_a_grown_history_summarises_only_its_new_material(

@@ -138,7 +138,7 @@ def long_compaction(tokens: int = 2000, lines: int = 60, **extra: Any) -> dict[s
 @pytest.mark.parametrize("how", ["client disconnect", "deadline"])
 async def test_abandoned_compactions_stop_on_the_engines(service: LocalService, metrics_url: str, how: str) -> None:
     assert await asyncio.to_thread(wait_for, lambda: engine_running(metrics_url) == 0, 120) >= 0
-    body = long_compaction(**({"timeout_s": 15} if how == "deadline" else {}))
+    body = long_compaction(**({"timeout_s": 8} if how == "deadline" else {}))
     async with httpx.AsyncClient(base_url=service.url, headers=auth(), timeout=600) as http:
         call = asyncio.create_task(http.post("/v1/compact", json=body))
         if how == "client disconnect":

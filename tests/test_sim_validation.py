@@ -1,4 +1,5 @@
-"""The simulator against the real two-replica CPU service: same workload, per placement policy.
+"""The simulator against the real two-replica CPU service: same workload, for the two placement policies that
+bound the others (`python -m jobs.sim validate` runs all three).
 
 The CPU profile is calibrated from the live service first (three requests), so the comparison holds on any
 machine speed. Uses the shared session-scoped `service`; caches are emptied before each policy's run.
@@ -60,7 +61,7 @@ def test_the_simulator_matches_the_real_service_per_policy(
                     host_parallelism=spec.host_parallelism(len(os.sched_getaffinity(0)), replicas=2),
                 )
 
-            return await validate(client, tokenizer, workload, profile, reset)
+            return await validate(client, tokenizer, workload, profile, reset, policies=("pinned", "round_robin"))
 
     rows = asyncio.run(run())
     print(table(rows))

@@ -266,7 +266,7 @@ def test_the_openai_agents_sdks_compaction_session_compacts_through_the_service(
         verdict: Literal["ok", "fail"]
 
     set_tracing_disabled(True)  # no trace export to api.openai.com
-    steps = [f"Step {i}: " + " ".join(f"module_{i}.py line {n} splits on commas." for n in range(30)) for i in range(4)]
+    steps = [f"Step {i}: " + " ".join(f"module_{i}.py line {n} splits on commas." for n in range(30)) for i in range(3)]
     calls: list[str] = []
 
     @function_tool
@@ -306,4 +306,4 @@ def test_the_openai_agents_sdks_compaction_session_compacts_through_the_service(
     assert all(isinstance(a, Verdict) for a in answers[1::2]), answers
     kinds = [item.get("type") for item in items if isinstance(item, dict)]
     assert "compaction" in kinds, kinds  # the session's history now starts from our compaction item
-    assert len(items) < 6 * len(steps)  # shorter than the 24 items the four steps left (task, call, output, x2)
+    assert len(items) < 6 * len(steps)  # shorter than the 18 items the three steps left (task, call, output, x2)

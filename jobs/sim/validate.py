@@ -160,8 +160,9 @@ async def validate(
     workload: Workload,
     calibrate: Callable[[], Awaitable[EngineProfile]],
     reset: Callable[[], Awaitable[None]],
+    policies: Sequence[PlacementMode] = POLICIES,
 ) -> dict[str, tuple[Measured, Measured, EngineProfile]]:
-    """Every policy on the service, then in the simulator; pinned first, since its chunks name the home replica.
+    """Each policy on the service, then in the simulator; pinned first, since its chunks name the home replica.
 
     The profile is calibrated right before each policy's run, so a machine whose speed drifts (a shared one)
     is compared with its speed of the moment.
@@ -169,7 +170,7 @@ async def validate(
     session = f"validate-{uuid.uuid4().hex[:8]}"
     home: str | None = None
     rows: dict[str, tuple[Measured, Measured, EngineProfile]] = {}
-    for policy in POLICIES:
+    for policy in policies:
         profile = await calibrate()
         real, stats, messages = await run_real(client, workload, policy, reset, session)
         home = home or stats["replicas"][-1]  # pinned: every chunk on home; spread: the last range on home

@@ -46,12 +46,14 @@ class VLLMBackend:
         **engine_kwargs: Any,
     ) -> VLLMBackend:
         """Start an engine with prefix caching on and background requests yielding to the agent's
-        (`serving.scheduler`, `compaction.pacing.CPU_RULE`). On the CPU the KV cache size comes from the environment.
+        (`serving.scheduler`, `compaction.pacing.CPU_RULE`). On the CPU the KV cache size comes from the environment
+        (VLLM_CPU_KVCACHE_SPACE, set to `kv_cache_gib` if unset) unless `kv_cache_memory_bytes=` is passed.
 
         The cache block size is the engine's choice (128 tokens on vLLM-CPU, 16 on CUDA) unless
         `block_size=` is passed; read it back from `block_size`.
         """
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
+        if "kv_cache_memory_bytes" not in engine_kwargs:
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM

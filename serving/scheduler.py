@@ -11,12 +11,20 @@ Each step, requests the rule holds back are taken out of vLLM's running list and
 vLLM schedules the rest, and put back afterwards: held requests keep their KV blocks and are simply
 not scheduled that step, as when vLLM's own token budget runs out. The step budget of a step led by
 background work is capped the same way. The class runs in the engine-core process.
+
+No wedge: vLLM preempts a running request only to grow another running one, never to admit a waiting
+one, and held requests do not run until the agent's are done. So when the first waiting request of the
+lead priority cannot get its KV blocks, held requests are preempted (the lowest priority, then the
+youngest, first) until it can: their blocks go back to the pool (what is cached stays in the prefix
+cache until it is evicted) and they wait to resume.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
+from vllm.utils.math_utils import cdiv
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -44,6 +52,7 @@ class Yielding(Scheduler):
             return super().schedule(*args, **kwargs)
         lead = min(priorities)
         rule = self.yield_rule
+        self._make_room(lead)
         held = [r for r in self.running if rule.held(r.priority, lead, prefilling(r))]
         waiting = [r for r in self.waiting if r.priority > lead]
         budget = rule.budget(lead, self._engine_budget)
@@ -58,6 +67,22 @@ class Yielding(Scheduler):
             self.max_num_scheduled_tokens = self._engine_budget
             self.running.extend(held)
             self.waiting.prepend_requests(waiting)
+
+    def _make_room(self, lead: int) -> None:
+        """Preempt held requests until the first waiting request of priority `lead` fits in the free blocks
+        (counted as if nothing of it were cached)."""
+        first = next((r for r in self.waiting if r.priority == lead), None)
+        pool = self.kv_cache_manager.block_pool
+        need = cdiv(first.num_tokens + 1, self.block_size) if first is not None else 0
+        if need == 0 or need > pool.num_gpu_blocks:
+            return
+        rule = self.yield_rule
+        victims = [r for r in self.running if rule.held(r.priority, lead, prefilling(r))]
+        for victim in sorted(victims, key=lambda r: (r.priority, r.arrival_time), reverse=True):
+            if pool.get_num_free_blocks() >= need or not self._request_blocks_can_be_freed(victim):
+                return
+            self.running.remove(victim)
+            self._preempt_request(victim, time.monotonic())
 
 
 class YieldingScheduler(Yielding):

@@ -1,47 +1,115 @@
-"""The in-process engine's own processes end with the program that started it, a SIGTERM included."""
+"""An engine of its own, in a program of its own, started once for two checks: with a deliberately small KV cache
+an agent request that does not fit beside a held background request is still served (no wedge), and the
+engine's processes end with the program that started it, a SIGTERM included."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
 
 pytestmark = [pytest.mark.engine, pytest.mark.own_engine]
 
-PROGRAM = """
-import sys, time
+PROGRAM = '''
+import asyncio, json, random, sys, time
+from pathlib import Path
+
+from compaction.backend import GenerationRequest
+from compaction.pacing import AGENT, BACKGROUND
+from jobs.sim.calibrate import model_facts
 from serving.backends import VLLMBackend
+
+BLOCK, BLOCKS = 128, 12  # a deliberately small KV cache: 1,536 tokens
+
+
+def prompt(seed, tokens):
+    rng = random.Random(seed)
+    return [rng.randrange(1000, 40000) for _ in range(tokens)]
+
+
+async def wedge(backend):
+    """A background request holding 8 of the 12 blocks, decoding; then an agent request that needs 5. On the
+    CPU a background request sits out every step an agent request waits: it would never free its blocks."""
+    from vllm import SamplingParams, TokensPrompt
+
+    params = SamplingParams(max_tokens=120, min_tokens=120, temperature=0)
+    stream = backend.engine.generate(TokensPrompt(prompt_token_ids=prompt(1, 900)), params, "bg", priority=BACKGROUND)
+    await anext(stream)  # its prompt is prefilled: it holds its blocks
+
+    async def rest():
+        final = None
+        async for final in stream:
+            pass
+        return final
+
+    background = asyncio.ensure_future(rest())
+    agent = GenerationRequest(tuple(prompt(2, 600)), max_tokens=8, min_tokens=8, request_id="agent", priority=AGENT)
+    try:  # a wedge never answers: the bound only ends the program in that case
+        answer = await asyncio.wait_for(backend.generate(agent), 300)
+    except TimeoutError:
+        return {"agent_output_tokens": 0, "background_output_tokens": None}
+    final = await asyncio.wait_for(background, 300)
+    return {"agent_output_tokens": answer.output_tokens, "background_output_tokens": len(final.outputs[0].token_ids)}
+
+
 if __name__ == "__main__":
-    backend = VLLMBackend.start(sys.argv[1], max_model_len=1024, kv_cache_gib=1)
+    model = Path(sys.argv[1])
+    kv_bytes = BLOCKS * BLOCK * model_facts(model)["kv_bytes_per_token"]
+    backend = VLLMBackend.start(model, max_model_len=1024, block_size=BLOCK, kv_cache_memory_bytes=int(kv_bytes))
+    print(json.dumps(asyncio.run(wedge(backend))), flush=True)
     print("ready", flush=True)
     time.sleep(600)
-"""
+'''
 
 
-def test_a_sigterm_ends_the_engine_process_too(model_path: Path, tmp_path: Path) -> None:
-    script = tmp_path / "hold_engine.py"
+@pytest.fixture(scope="module")
+def program(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[subprocess.Popen[str], Any]]:
+    """The program, once it has run the small-cache scenario: (its process, what the scenario returned)."""
+    script = tmp_path_factory.mktemp("engine-process") / "hold_engine.py"
     script.write_text(PROGRAM)
     root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHONPATH": str(root), "VLLM_LOGGING_LEVEL": "ERROR"}
+    # The KV cache size is the engine argument's: VLLM_CPU_KVCACHE_SPACE (the session engine's) would override it.
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
+    env |= {"PYTHONPATH": str(root), "VLLM_LOGGING_LEVEL": "ERROR"}
     command = [sys.executable, str(script), str(model_path)]
-    program = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, text=True)
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, text=True)
     children: list[psutil.Process] = []
     try:
-        assert program.stdout is not None and program.stdout.readline().strip() == "ready"
-        children = psutil.Process(program.pid).children(recursive=True)
-        assert children, "vLLM runs its engine core in a child process"
-        program.send_signal(signal.SIGTERM)
-        status = program.wait(timeout=60)
-        _, alive = psutil.wait_procs(children, timeout=30)
-        assert not alive, f"engine processes left behind: {[c.name() for c in alive]}"
-        assert status == 128 + signal.SIGTERM  # an ordinary exit (finally blocks ran), not death by the signal
+        assert process.stdout is not None
+        scenario = json.loads(process.stdout.readline() or "null")  # the engine logs to stderr
+        yield process, scenario
     finally:
-        for process in [*children, program]:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            children = psutil.Process(process.pid).children(recursive=True)
+        for leftover in [*children, process]:
             with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):
-                process.kill()
+                leftover.kill()
+
+
+def test_an_agent_request_that_does_not_fit_beside_held_background_work_is_served(
+    program: tuple[subprocess.Popen[str], Any],
+) -> None:
+    _, scenario = program
+    print(scenario)
+    assert scenario == {"agent_output_tokens": 8, "background_output_tokens": 120}  # both served, in full
+
+
+def test_a_sigterm_ends_the_engine_process_too(program: tuple[subprocess.Popen[str], Any]) -> None:
+    process, _ = program
+    assert process.stdout is not None and process.stdout.readline().strip() == "ready"
+    children = psutil.Process(process.pid).children(recursive=True)
+    assert children, "vLLM runs its engine core in a child process"
+    process.send_signal(signal.SIGTERM)
+    status = process.wait(timeout=60)
+    _, alive = psutil.wait_procs(children, timeout=30)
+    assert not alive, f"engine processes left behind: {[c.name() for c in alive]}"
+    assert status == 128 + signal.SIGTERM  # an ordinary exit (finally blocks ran), not death by the signal

@@ -85,3 +85,11 @@ async def test_the_ingress_answers_others_while_it_counts_a_maximal_block(servic
     )
     # Side by side in one run: no /healthz waited for the count (a frozen loop makes one wait nearly all of it).
     assert len(waits) >= 3 and max(waits) < took / 2
+
+
+def test_every_hostile_request_of_the_soak_is_refused_naming_its_field(client: httpx.Client) -> None:
+    from jobs.bench.hostile import hostile_requests
+
+    for kind, path, request in hostile_requests():
+        refused = client.post(path, **request)
+        assert 400 <= refused.status_code < 500 and refused.json()["error"]["param"], (kind, refused.text)

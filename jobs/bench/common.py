@@ -3,6 +3,7 @@ service started with its replicas and a way to empty their prefix caches (each m
 
 from __future__ import annotations
 
+import socket
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -35,6 +36,13 @@ def table(rows: list[dict[str, Any]], columns: list[str]) -> str:
     lines = ["  ".join(c.rjust(w) for c, w in zip(columns, widths, strict=True))]
     lines += ["  ".join(v.rjust(w) for v, w in zip(row, widths, strict=True)) for row in cells]
     return "\n".join(lines)
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def replicas(count: int, model: str = MODEL) -> dict[str, Any]:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import sys
 import time
 from collections.abc import Callable
@@ -28,7 +27,7 @@ import httpx
 
 from compaction.checks.validity import problems
 from compaction.history import parse_messages, template_view
-from jobs.bench.common import MODEL, local_service, replicas, sayer, table
+from jobs.bench.common import MODEL, free_port, local_service, replicas, sayer, table
 from jobs.data.traces import CodingTrace, coding_trace
 from serving.local import quiet_http_clients
 
@@ -60,12 +59,6 @@ def compaction_row(trace: CodingTrace, status: int, body: dict[str, Any], chat_s
         "chat_status": chat_status,
         "facts_verbatim": f"{len(recalled(trace, body['messages']))}/{len(trace.facts)}",
     }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def waiting(request: Callable[[], httpx.Response], every_s: float = 60) -> httpx.Response:

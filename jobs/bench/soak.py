@@ -6,7 +6,10 @@ Starts the service on 127.0.0.1 (two model replicas, two coordinators, small adm
 shed) and runs, all at once: agents on /v1/chat/completions with context_management (half background, half
 blocking; a second of tool time per turn; a new session every 40 turns), /v1/compact compactions of fresh
 histories, bursts beyond capacity (429 expected), client disconnects mid-compaction, oversize (413) and malformed
-(4xx) bodies. One coordinator is killed at 35 % of the run and one model replica (with its engine) at 65 %.
+(4xx) bodies, and hostile requests (4xx expected, never a 5xx or a stall of the others): compaction items that
+inflate past the cap, JSON nested past the limit, engine priorities and request ids set by the client, Messages
+compaction blocks that lost their encrypted_content, and floods of background compactions.
+One coordinator is killed at 35 % of the run and one model replica (with its engine) at 65 %.
 Every --sample-s it prints the RSS of each role (ingress, coordinators, replicas, engine processes, Serve's
 controller and proxy); at the end: RSS growth after warm-up per process (target <= 10 %), 5xx responses (target 0;
 503 with Retry-After is counted apart: the designed answer while a replica is down), lost agent turns (a turn
@@ -31,7 +34,8 @@ from typing import Any
 import httpx
 import psutil
 
-from jobs.bench.common import MODEL, replicas, sayer
+from jobs.bench.common import MODEL, free_port, replicas, sayer
+from jobs.bench.hostile import hostile_requests
 from jobs.bench.processes import rss_bytes, service_processes
 
 LIMITS = {"max_running": 2, "max_queued": 4}
@@ -150,12 +154,17 @@ async def bursts(client: httpx.AsyncClient, tally: Tally, until: float, every_s:
         n += 1
         size = 3 * 2 * (LIMITS["max_running"] + LIMITS["max_queued"])
         bodies = [{"model": MODEL, "messages": history(4, f"burst{n}-{i}"), **OPTIONS} for i in range(size)]
-        results = await asyncio.gather(*(client.post("/v1/compact", json=b) for b in bodies), return_exceptions=True)
-        for result in results:
-            if isinstance(result, httpx.Response):
-                tally.count("burst", result)
-            else:
-                tally.errors[f"burst:{type(result).__name__}"] += 1
+        await at_once(client, tally, "burst", bodies)
+
+
+async def at_once(client: httpx.AsyncClient, tally: Tally, kind: str, bodies: list[dict[str, Any]]) -> None:
+    """Compactions sent all at once, each answer (or transport error) tallied."""
+    results = await asyncio.gather(*(client.post("/v1/compact", json=b) for b in bodies), return_exceptions=True)
+    for result in results:
+        if isinstance(result, httpx.Response):
+            tally.count(kind, result)
+        else:
+            tally.errors[f"{kind}:{type(result).__name__}"] += 1
 
 
 async def disconnects(client: httpx.AsyncClient, tally: Tally, until: float) -> None:
@@ -187,6 +196,25 @@ async def bad_bodies(client: httpx.AsyncClient, tally: Tally, until: float) -> N
                 tally.count(kind, await client.post("/v1/compact", headers=headers, **request))
             except httpx.HTTPError as exc:
                 tally.errors[f"{kind}:{type(exc).__name__}"] += 1
+
+
+async def hostile(client: httpx.AsyncClient, tally: Tally, until: float, every_s: float = 10) -> None:
+    """Every `every_s`: each hostile request once, then a flood of background compactions (more than admitted)."""
+    cases = hostile_requests()
+    n = 0
+    while time.monotonic() + every_s < until:
+        await asyncio.sleep(every_s)
+        n += 1
+        for kind, path, request in cases:
+            try:
+                tally.count(kind, await client.post(path, **request))
+            except httpx.HTTPError as exc:
+                tally.errors[f"{kind}:{type(exc).__name__}"] += 1
+        if n % 3 == 0:
+            size = 2 * (LIMITS["max_running"] + LIMITS["max_queued"])
+            flood = [{"model": MODEL, "messages": history(6, f"flood{n}-{i}"), "priority": "background", **OPTIONS}
+                     for i in range(size)]  # fmt: skip
+            await at_once(client, tally, "flood", flood)
 
 
 def kill(role: str, tally: Tally, began: float) -> None:
@@ -290,7 +318,7 @@ async def traffic(url: str, duration: float, agents: int, sample_s: float) -> tu
     async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as client:
         tasks = [agent(client, tally, i, background=i % 2 == 0, until=until) for i in range(agents)]
         tasks += [compactions(client, tally, until), bursts(client, tally, until), disconnects(client, tally, until)]
-        tasks += [bad_bodies(client, tally, until), chaos(tally, began, duration)]
+        tasks += [bad_bodies(client, tally, until), hostile(client, tally, until), chaos(tally, began, duration)]
         tasks += [sampler(samples, began, until, sample_s)]
         await asyncio.gather(*tasks)
     return tally, samples, began
@@ -314,6 +342,12 @@ def report(tally: Tally, rows: list[dict[str, Any]]) -> dict[str, Any]:
         "server_errors_5xx": tally.server_errors(),
         "unavailable_503_with_retry_after": tally.unavailable,
         "worst_rss_growth_pct": worst,
+        "hostile_accepted": sum(
+            n
+            for kind, _, _ in hostile_requests()
+            for status, n in tally.statuses.get(kind, Counter()).items()
+            if status < 400
+        ),
         "kills": tally.kills,
         "failures": tally.failures,
     }
@@ -321,16 +355,9 @@ def report(tally: Tally, rows: list[dict[str, Any]]) -> dict[str, Any]:
         say(f"{key}: {json.dumps(summary[key])}")
     say(f"turns {tally.turns}, applied compactions {tally.applied}, lost turns {tally.lost_turns} (target 0)")
     say(f"5xx {summary['server_errors_5xx']} (target 0), 503 + Retry-After {tally.unavailable}")
+    say(f"hostile requests answered as if legal: {summary['hostile_accepted']} (target 0)")
     say(f"worst RSS growth after warm-up over the processes of the whole run: {worst:+.1f} % (target <= 10 %)")
     return summary
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -357,7 +384,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"summary": summary, "processes": rows, "samples": samples}, indent=1))
     say(f"plot {args.plot}, data {args.out}")
-    ok = summary["lost_turns"] == 0 and summary["server_errors_5xx"] == 0 and summary["worst_rss_growth_pct"] <= 10
+    ok = summary["lost_turns"] == 0 and summary["server_errors_5xx"] == 0 and summary["hostile_accepted"] == 0
+    ok = ok and summary["worst_rss_growth_pct"] <= 10
     return 0 if ok else 1
 
 

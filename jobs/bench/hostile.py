@@ -12,7 +12,7 @@ without) and floods its compactions (12 at once, every 60 s). Printed: the victi
 phase and their ratio (target: p95 within 1.5x).
 
 Then --failing chat turns of the hostile tenant, each with about 42 KiB of extra fields nested in its content
-parts and a context-management entry whose background run fails in planning (it keeps every token recent):
+parts and a context-management entry whose background run fails in planning (4-token chunks: over max_chunks):
 printed, the coordinators' RSS before and after (target: growth within 10 %: a failed run holds nothing).
 
 `hostile_requests()` is also the soak's hostile traffic (`jobs.bench.soak`).
@@ -136,10 +136,10 @@ def coordinators_rss() -> int:
 
 
 async def failing_runs(url: str, count: int) -> None:
-    """Chat turns over background_threshold whose background run fails in planning (every token kept recent),
+    """Chat turns over background_threshold whose background run fails in planning (more chunks than allowed),
     each message carrying about 1 KiB of extra fields inside its content part."""
     pad = {"cache_control": {"type": "ephemeral", "pad": "x" * 1024}}
-    entry = {"type": "compaction", "compact_threshold": 4000, "background_threshold": 200, "keep_recent_tokens": 8000}
+    entry = {"type": "compaction", "compact_threshold": 4000, "background_threshold": 200, "chunk_tokens": 4}
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
         for n in range(count):
             messages = [
@@ -159,7 +159,7 @@ def quantiles(seconds: list[float]) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m jobs.bench.hostile", description=__doc__.splitlines()[0])
-    parser.add_argument("--seconds", type=float, default=90.0, help="length of each phase (default 90)")
+    parser.add_argument("--seconds", type=float, default=90.0, help="length of each phase (default 90; 0: none)")
     parser.add_argument("--failing", type=int, default=100, help="failing background runs (default 100)")
     parser.add_argument("--out", type=Path, default=Path("results/hostile.json"))
     args = parser.parse_args(argv)
@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     service_args = {"models": [MODEL], **replicas(2), "tenancy": {"api_keys_file": str(keys)}}
     figures: dict[str, Any] = {}
     with local_service(free_port(), service_args) as (service, _):
-        for neighbour in ("neighbour", "hostile"):
+        for neighbour in ("neighbour", "hostile") if args.seconds > 0 else ():
             say(f"the victim beside the {neighbour} tenant for {args.seconds:g} s")
             turns, refused = asyncio.run(phase(service.url, neighbour, args.seconds))
             figures[neighbour] = {**quantiles(turns), "priority_refused": refused}
@@ -177,17 +177,18 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.run(failing_runs(service.url, args.failing))
         time.sleep(5)  # the last runs' failures are recorded
         after = coordinators_rss()
-    figures["ratio_p95"] = round(figures["hostile"]["p95_s"] / figures["neighbour"]["p95_s"], 2)
+    if args.seconds > 0:
+        figures["ratio_p95"] = round(figures["hostile"]["p95_s"] / figures["neighbour"]["p95_s"], 2)
+        say(f"victim p95 beside the hostile tenant / beside the neighbour: {figures['ratio_p95']} (target <= 1.5)")
     figures["coordinators_rss_mib"] = {"before": before / 2**20, "after": after / 2**20}
     figures["coordinators_rss_growth_pct"] = round(100 * (after - before) / before, 1)
-    say(f"victim p95 beside the hostile tenant / beside the neighbour: {figures['ratio_p95']} (target <= 1.5)")
     say(
         f"coordinators' RSS after {args.failing} failing background runs: {before / 2**20:.0f} -> "
         f"{after / 2**20:.0f} MiB ({figures['coordinators_rss_growth_pct']:+.1f} %, target <= 10 %)"
     )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(figures, indent=1))
-    return 0 if figures["ratio_p95"] <= 1.5 and figures["coordinators_rss_growth_pct"] <= 10 else 1
+    return 0 if figures.get("ratio_p95", 0) <= 1.5 and figures["coordinators_rss_growth_pct"] <= 10 else 1
 
 
 if __name__ == "__main__":

@@ -54,7 +54,9 @@ def partition(
     [start, end).
 
     `fixed` are borders that must stay borders (chunks reused from an earlier compaction, the end
-    of carried summaries): each segment between them is partitioned as above on its own.
+    of carried summaries): each segment between them is partitioned as above on its own, from the
+    span's grid where the segment starts on it (so borders kept from an earlier plan of the same span
+    change nothing).
     """
     if block_size < 1:
         raise InvalidInput("block_size", "must be at least 1")
@@ -68,9 +70,18 @@ def partition(
     cuts = [start, *sorted({f for f in fixed if start < f < end}), end]
     borders = [start]
     for a, b in itertools.pairwise(cuts):
-        count = -(-(b - a) // chunk_tokens)
-        borders += [(a + k * chunk_tokens) // block_size * block_size for k in range(1, count)] + [b]
+        origin = _on_grid(start, a, chunk_tokens, block_size)
+        count = -(-(b - origin) // chunk_tokens)
+        borders += [(origin + k * chunk_tokens) // block_size * block_size for k in range(1, count)] + [b]
     return tuple(Chunk(i, a, b) for i, (a, b) in enumerate(itertools.pairwise(borders)))
+
+
+def _on_grid(start: int, at: int, chunk_tokens: int, block_size: int) -> int:
+    """Where a segment beginning at `at` is cut from: the unrounded point start + k·B when `at` is that point's
+    border (a chunk kept from an earlier plan of the same span, grown since), so the segment's borders are the
+    ones the whole span would get without it; else `at` itself."""
+    k = (at - start) // chunk_tokens
+    return next((p for p in (start + k * chunk_tokens, start + (k + 1) * chunk_tokens) if p - p % block_size == at), at)
 
 
 @dataclass(frozen=True)

@@ -167,3 +167,10 @@ async def test_a_cancelled_compaction_leaves_its_finished_chunks_reusable(tokeni
     again, backend2 = make(tokenizer, cache)
     result = await again.compact(history, OPTIONS)
     assert result.stats.reused_chunks == chunks - 1 and len(backend2.requests) == 1
+
+
+def test_borders_kept_from_an_earlier_plan_of_the_span_cut_it_as_if_it_were_whole() -> None:
+    whole = partition(11, 1284, 256, 16)
+    kept = [c.end for c in whole[:3]]  # the whole chunks of an earlier, shorter plan of the same span
+    assert partition(11, 1284, 256, 16, fixed=kept) == whole
+    assert [c.end for c in whole] == [256, 512, 768, 1024, 1284]

@@ -117,6 +117,11 @@ class ChunkCache:
                 at = found
         return chain
 
+    def key(self, scope: str, ids: Sequence[int], chunk: Chunk, prompt: Sequence[int]) -> tuple[str, ...]:
+        """The identity of one chunk prompt: what `get` would find it under, and the prompt's own digest."""
+        with self._lock:
+            return (scope, self._prefix(ids, chunk.start), str(chunk.end), self._prefix(ids, chunk.end), digest(prompt))
+
     def get(self, scope: str, ids: Sequence[int], chunk: Chunk, prompt: Sequence[int]) -> CachedChunk | None:
         with self._lock:
             key = (scope, self._prefix(ids, chunk.start), chunk.end, self._prefix(ids, chunk.end))

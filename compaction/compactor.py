@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from compaction.backend import Backend, GenerationRequest
@@ -27,6 +28,7 @@ from compaction.history import Message
 from compaction.instructions import caller_instructions
 from compaction.merge import merge
 from compaction.options import CompactionOptions, model_budget
+from compaction.pacing import AGENT, Escalation
 from compaction.partition import Chunk, PlanLimits
 from compaction.plan import CompactionPlan, Planner
 from compaction.result import ChunkStats, CompactionResult
@@ -39,6 +41,27 @@ _Kept = tuple[ChunkStats, str]  # a chunk's stats and kept text
 def request_id(k: int, strict: bool = False) -> str:
     """The request id of chunk k's first prompt or of its stricter retry (engine logs, the coordinator's figures)."""
     return f"chunk-{k}-{'retry' if strict else 'first'}"
+
+
+@dataclass(frozen=True)
+class _InFlight:
+    """A chunk prompt being summarised: the backend it goes out on, and its summary once done."""
+
+    backend: Backend
+    done: asyncio.Future[_Kept]
+
+
+def urgency(backend: Backend) -> int:
+    """The priority a backend's prompts go out at now (`compaction.pacing`; lower is more urgent)."""
+    return backend.current() if isinstance(backend, Escalation) else AGENT
+
+
+def _as_reused(kept: _Kept, k: int) -> _Kept:
+    """Chunk k's summary made by another run (the chunk cache, or a run in flight): none of its work is this run's."""
+    stats, text = kept
+    nothing = {"prompt_tokens": 0, "cached_prompt_tokens": 0, "computed_prefill_tokens": 0, "output_tokens": 0}
+    update = {**nothing, "index": k, "latency_s": 0.0, "retries": 0, "failovers": 0, "replica": None}
+    return stats.model_copy(update={**update, "reused": True}), text
 
 
 class Compactor:
@@ -60,6 +83,7 @@ class Compactor:
         self.block_size = block_size
         self.cache = cache  # chunk summaries reused across compactions; None disables reuse
         self.limits = limits  # caps on chunks and history tokens (compaction.partition); None: none
+        self._in_flight: dict[tuple[str, ...], _InFlight] = {}  # chunk prompts being summarised, by identity
 
     def plan(
         self,
@@ -92,31 +116,77 @@ class Compactor:
         if plan.options.strategy == "extractive":
             extracted = [self._extract(plan, chunk) for chunk in plan.chunks]
             return self._merge(plan, extracted, time.perf_counter() - began)
+        summaries = await self.summarise(plan, range(len(plan.prompts)), routes, backend)
+        per_chunk = [summaries[k] for k in range(len(plan.prompts))]
+        return self._merge(plan, per_chunk, time.perf_counter() - began)
+
+    async def summarise(
+        self,
+        plan: CompactionPlan,
+        chunks: Iterable[int],
+        routes: Sequence[str | None] | None = None,
+        backend: Backend | None = None,
+        sent: asyncio.Event | None = None,
+    ) -> dict[int, _Kept]:
+        """The summaries of these chunks of a plan, all sent at once; from the chunk cache where it has them.
+        If any chunk fails for good, the error propagates and the other requests are cancelled. `sent` is set
+        once every chunk's prompt is in flight (another run of the same prompts then joins them)."""
         keys = list(routes) if routes is not None else [None] * len(plan.prompts)
         target = backend or self.backend
-        reused = {k: hit for k in range(len(plan.prompts)) if (hit := self._cached(plan, k)) is not None}
+        wanted = list(chunks)
+        reused = {k: hit for k in wanted if (hit := self._cached(plan, k)) is not None}
         try:
             async with asyncio.TaskGroup() as group:
                 tasks = {
                     k: group.create_task(self._summarise_and_keep(target, plan, k, keys[k]))
-                    for k in range(len(plan.prompts))
+                    for k in wanted
                     if k not in reused
                 }
+                if sent is not None:
+                    await asyncio.sleep(0)  # each task is in flight once it has run to its first await
+                    sent.set()
         except ExceptionGroup as failed:  # one chunk failed for good; the others were cancelled
             raise failed.exceptions[0] from None
-        per_chunk = [reused[k] if k in reused else tasks[k].result() for k in range(len(plan.prompts))]
-        return self._merge(plan, per_chunk, time.perf_counter() - began)
+        return {k: reused[k] if k in reused else tasks[k].result() for k in wanted}
+
+    def whole_chunks(self, plan: CompactionPlan) -> list[int]:
+        """The chunks that end at a border of B tokens, not at the span's end: every later compaction of the same
+        history, grown at its end, cuts and prompts them the same (the rolling background summaries,
+        `serving.background`). Only with the prefix-exact layout (the other layouts' prompts move as it grows) and
+        a chunk cache to keep them in."""
+        kept = self.cache is not None and plan.options.reuse_chunks
+        stable = kept and plan.options.strategy == "parallel" and plan.options.layout == "prefix_exact"
+        return list(range(len(plan.chunks) - 1)) if stable else []
 
     async def _summarise_and_keep(
         self, backend: Backend, plan: CompactionPlan, k: int, route: str | None
     ) -> tuple[ChunkStats, str]:
         """Chunk k's summary, put in the chunk cache the moment it is done: a run cancelled (its deadline, a
-        client gone, a turn that escalates it) or failed in another chunk leaves its finished chunks reusable."""
-        stats, text = await self._summarise(backend, plan, k, route)
-        if self.cache is not None:
-            prompt = plan.prompts[k]
+        client gone, a turn that escalates it) or failed in another chunk leaves its finished chunks reusable.
+
+        The same prompt already being summarised (a rolling background run's, `serving.background`) is waited
+        for instead of sent again, when it goes out at this run's priority or a more urgent one; if that run
+        fails or is cancelled, this one sends it."""
+        if self.cache is None or not plan.options.reuse_chunks:
+            return await self._summarise(backend, plan, k, route)
+        prompt = plan.prompts[k]
+        key = self.cache.key(plan.scope, plan.history.token_ids, prompt.chunk, prompt.view)
+        other = self._in_flight.get(key)
+        if other is not None and urgency(other.backend) <= urgency(backend):
+            await asyncio.wait({other.done})
+            if not other.done.cancelled():
+                return _as_reused(other.done.result(), k)
+        mine = _InFlight(backend, asyncio.get_running_loop().create_future())
+        self._in_flight[key] = mine
+        try:
+            stats, text = await self._summarise(backend, plan, k, route)
             self.cache.put(plan.scope, plan.history.token_ids, prompt.chunk, prompt.view, text, stats)
-        return stats, text
+            mine.done.set_result((stats, text))
+            return stats, text
+        finally:
+            mine.done.cancel()  # failed or cancelled: whoever waited for it sends its own (no-op once set)
+            if self._in_flight.get(key) is mine:
+                del self._in_flight[key]
 
     def reusable(self, plan: CompactionPlan) -> frozenset[int]:
         """Chunks whose summary the chunk cache already holds: `run` sends no prompt for them."""
@@ -128,11 +198,7 @@ class Compactor:
             return None
         prompt = plan.prompts[k]
         hit = self.cache.get(plan.scope, plan.history.token_ids, prompt.chunk, prompt.view)
-        if hit is None:
-            return None
-        nothing = {"prompt_tokens": 0, "cached_prompt_tokens": 0, "computed_prefill_tokens": 0, "output_tokens": 0}
-        update = {**nothing, "index": k, "latency_s": 0.0, "retries": 0, "failovers": 0, "replica": None}
-        return hit.stats.model_copy(update={**update, "reused": True}), hit.text
+        return None if hit is None else _as_reused((hit.stats, hit.text), k)
 
     async def _summarise(
         self, backend: Backend, plan: CompactionPlan, k: int, route: str | None

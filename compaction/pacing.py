@@ -80,6 +80,10 @@ class Escalation:
         self.urgent = urgent or asyncio.Event()
         self.escalated = 0  # prompts re-sent at the agent's priority
 
+    def current(self) -> int:
+        """The priority its prompts go out at now."""
+        return AGENT if self.urgent.is_set() else self.priority
+
     async def generate(self, request: GenerationRequest) -> Generation:
         if self.priority <= AGENT or self.urgent.is_set():
             return await self.inner.generate(replace(request, priority=AGENT))

@@ -15,6 +15,9 @@ and the turn's rendered prompt of P tokens is handled by `decide`:
                                                      only once P > compact_threshold)
     P >  compact_threshold, background under way  -> wait for what is left of it (at the agent's priority)
     P >  compact_threshold, nothing usable        -> compact now (blocking), the current turn kept verbatim
+With apply_background "rolling" the background work is chunk summaries for the chunk cache, never a result
+to splice: below the threshold a run starts (as above) and again each time a whole chunk's worth of history
+has become final since the last; past it the turn compacts as a blocking one would, joining the run in flight.
 The protocol is stateless: the client keeps `compaction.messages + history[replaces_through:]`.
 A background snapshot is the request's whole message list; a later turn can use its result only
 if its own history still starts with exactly those messages (`Snapshot.covers`).
@@ -69,10 +72,14 @@ class ContextManagement(CompactionOptions):
         "long (on average) after the previous reply: the compaction runs while the agent is in its tools. An "
         "agent that sends its turns back to back leaves it no time, so its turns compact blocking. 0: always.",
     )
-    apply_background: Literal["ready", "threshold"] = Field(
+    apply_background: Literal["rolling", "ready", "threshold"] = Field(
         "ready",
-        description="When a finished background compaction is applied. ready: at the session's next turn (no "
-        "wait, and every later turn is answered from the shorter prompt); threshold: only once a turn passes "
+        description="What background work is and when it is applied. rolling: past background_threshold, every "
+        "chunk of B tokens older than keep_recent_tokens is summarised in the background as it becomes final; the "
+        "turn that passes compact_threshold compacts exactly as a blocking compaction would, taking those "
+        "summaries (so the compactions and the prompts are blocking's, only the wait is shorter); ready: a "
+        "compaction of the snapshot, applied at the session's next turn (no wait, and every later turn is "
+        "answered from the shorter prompt); threshold: the same, applied only once a turn passes "
         "compact_threshold.",
     )
 
@@ -203,13 +210,17 @@ def decide(
     growth: int = 0,
     idle_s: float | None = None,
     force: bool = False,
+    fresh: int | None = None,
 ) -> Action:
     """What this turn does (see the module docstring). `background`: the session's usable snapshot, if any;
     `growth`: the most one turn of the session grew its prompt lately (tokens); `idle_s`: its mean idle
     time between a reply and its next turn lately (None: unknown); `force`: the client asked for a compaction
-    now (Codex's compaction_trigger), as if the prompt had passed compact_threshold."""
+    now (Codex's compaction_trigger), as if the prompt had passed compact_threshold; `fresh`: tokens the
+    prompt gained since the snapshot of the session's last background run (None: all of them)."""
     if force:
         tokens = max(tokens, entry.compact_threshold + 1)
+    if entry.apply_background == "rolling":
+        return _rolling(tokens, entry, background, has_session, growth, idle_s, tokens if fresh is None else fresh)
     if background == "done" and (tokens > entry.compact_threshold or entry.apply_background == "ready"):
         return "apply"
     if tokens > entry.compact_threshold:
@@ -219,6 +230,19 @@ def decide(
     if has_session and background == "absent" and wants_background(tokens, growth, entry, idle_s):
         return "start_background"
     return "none"
+
+
+def _rolling(
+    tokens: int, entry: ContextManagement, background: Background, has_session: bool, growth: int,
+    idle_s: float | None, fresh: int,
+) -> Action:  # fmt: skip
+    """apply_background "rolling": past the threshold, compact as blocking would (after what the run in flight has
+    left, at the agent's priority); below it, roll on once a whole new chunk has become final since the last run."""
+    if tokens > entry.compact_threshold:
+        return "wait" if background == "running" else "compact"
+    if background == "running" or not has_session or not wants_background(tokens, growth, entry, idle_s):
+        return "none"
+    return "start_background" if background == "absent" or fresh >= entry.chunk_tokens else "none"
 
 
 def spliced(head: Sequence[Message], replaces_through: int, messages: Sequence[Message]) -> list[Message]:

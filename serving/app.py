@@ -108,7 +108,8 @@ class AppArgs(BaseModel):
         le=100_000,
         description="Background compactions one tenant may have running at once per coordinator replica; past it, "
         "a turn starts none (its session compacts blocking at its threshold), so one tenant's flood of cheap "
-        "turns cannot hold the admission every other tenant's compactions need.",
+        "turns cannot hold the admission every other tenant's compactions need. Never more than the tenant's "
+        "own max_concurrent_requests.",
     )
     chunk_cache_bytes: int = Field(
         CHUNK_CACHE_BYTES,
@@ -221,10 +222,12 @@ class CoordinatorDeployment:
         coordinator = self._coordinator
         self._sessions = SessionCompactions(
             coordinator.compact,
+            roll=coordinator.roll,
             warm=coordinator.warm,
             max_sessions=args.chat_sessions,
             max_bytes=args.chat_session_bytes,
             max_running_per_tenant=args.chat_background_per_tenant,
+            tenant_cap=lambda tenant: args.tenancy.limits_of(tenant).max_concurrent_requests,
         )
         self._gauges: asyncio.Task[None] | None = None
 

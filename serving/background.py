@@ -12,6 +12,12 @@ and waits only for what is left. A run is used only by a turn of the same model 
 When the prompt a turn is answered from already wants a background run (past background_threshold,
 or one more turn like this one would pass compact_threshold), that prompt is the next snapshot.
 
+With apply_background "rolling" a run summarises only the snapshot's whole chunks into the chunk cache
+(`Coordinator.roll`), one run per session at a time, and nothing is spliced: the turn that passes the hard
+threshold compacts its history as a blocking turn would, taking the rolled summaries from the cache and
+joining the chunks still in flight (raised to the agent's priority), so its result is blocking's and its
+wait is at most blocking's.
+
 Nothing here is needed for correctness: the client carries the compacted history, so losing this
 state (a restart, an eviction) costs only a recomputation. So it is bounded in sessions and in bytes
 (`max_bytes`: each session's snapshot job while it runs, its result once done; the least recently
@@ -27,8 +33,8 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Coroutine, Sequence
-from dataclasses import dataclass
-from typing import Any, Literal
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel
 
@@ -57,11 +63,17 @@ DEFAULT_MAX_BYTES = 512 * 2**20  # per coordinator replica: background jobs and 
 CompactFn = Callable[[CompactJob, asyncio.Event], Coroutine[Any, Any, ServiceResult]]
 
 
+# The coordinator's rolling entry: (job, urgent, sent) -> chunks summarised into the chunk cache (nothing merged);
+# `sent` is set once its prompts are in flight.
+RollFn = Callable[[CompactJob, asyncio.Event, asyncio.Event], Coroutine[Any, Any, int]]
+
+
 # Prefill a prompt on the session's replica at background priority: (model, messages, session, cache salt) -> tokens.
 WarmFn = Callable[[str, list[Message], str, str | None], Coroutine[Any, Any, int]]
 
 
 logger = logging.getLogger(__name__)
+Result = TypeVar("Result")
 
 
 @dataclass
@@ -70,10 +82,13 @@ class _Running:
 
     snapshot: Snapshot  # the messages it summarises
     made_for: tuple[str, str, str, str | None]  # model, options, tenant, salt: only a turn with the same may use it
-    compaction: asyncio.Task[ServiceResult]
-    warmed: asyncio.Task[ServiceResult]  # the compaction's result once its prompt is prefilled (or that failed)
+    compaction: asyncio.Task[ServiceResult | int]  # a rolling run's result: the chunks it put in the chunk cache
+    warmed: asyncio.Task[ServiceResult | int]  # the compaction's result once its prompt is prefilled (or that failed)
     urgent: asyncio.Event  # set when a turn waits for it: its prompts then go at the agent's priority
     bytes: int = 0  # what it holds: its job's JSON while it runs, its result's once done, about 0 if it failed
+    tokens: int = 0  # the snapshot's prompt tokens
+    rolling: bool = False  # summaries for the chunk cache (apply_background "rolling"), never spliced
+    sent: asyncio.Event = field(default_factory=asyncio.Event)  # rolling: its chunk prompts are in flight
 
     def state(self, digests: Sequence[str], turn: ChatTurn) -> Background:
         if self.made_for != _made_for(turn) or not self.snapshot.covers(digests):
@@ -98,16 +113,20 @@ class SessionCompactions:
         self,
         compact: CompactFn,
         *,
+        roll: RollFn | None = None,
         warm: WarmFn | None = None,
         max_sessions: int = 4096,
         max_bytes: int = DEFAULT_MAX_BYTES,
         max_running_per_tenant: int = 8,
+        tenant_cap: Callable[[str], int | None] | None = None,
     ) -> None:
         self._compact = compact
+        self._roll = roll  # None: no rolling runs (apply_background "rolling" compacts at the threshold only)
         self._warm = warm
         self.max_sessions = max_sessions
         self.max_bytes = max_bytes
         self.max_running_per_tenant = max_running_per_tenant
+        self._tenant_cap = tenant_cap  # a tenant's own cap on requests at once (its max_concurrent_requests)
         # Per tenant (each bounded by max_sessions, so one tenant's sessions never evict another's):
         self._runs: dict[str, BoundedLRU[str, _Running]] = {}  # session -> its background run (evicted: cancelled)
         self._formats: dict[str, BoundedLRU[str, Wire]] = {}  # session -> the format it speaks
@@ -128,22 +147,31 @@ class SessionCompactions:
         running = self._sessions(turn).peek(turn.session_id) if turn.session_id else None
         state: Background = running.state(digests, turn) if running else "absent"
         has_session = turn.session_id is not None
-        action = decide(turn.prompt_tokens, turn.entry, state, has_session, turn.growth, turn.idle_s, turn.force)
-        if action == "start_background":
+        fresh = turn.prompt_tokens - running.tokens if running is not None and state != "absent" else None
+        action = decide(turn.prompt_tokens, turn.entry, state, has_session, turn.growth, turn.idle_s, turn.force, fresh)
+        if action == "start_background" and (self._roll is not None or turn.entry.apply_background != "rolling"):
             if not self._room_for(turn):
-                full = f"no background compaction: this tenant has {self.max_running_per_tenant} running already"
+                full = f"no background compaction: this tenant has {self._cap(turn.tenant)} running already"
                 return TurnCompaction(status="none", prompt_tokens=turn.prompt_tokens, note=full)
-            self._start(turn, turn.messages, digests)
+            self._start(turn, turn.messages, digests, turn.prompt_tokens)
             return TurnCompaction(status="running", prompt_tokens=turn.prompt_tokens)
-        if action == "none":
+        if action in ("none", "start_background"):
             status: Status = "running" if state in ("running", "done") else "none"
             return TurnCompaction(status=status, prompt_tokens=turn.prompt_tokens)
         note = None
-        result = None
-        if running is not None and state != "absent":  # apply or wait for it; if it failed, say why
+        result: ServiceResult | int | None = None
+        if running is not None and running.rolling and state == "running":
+            running.urgent.set()  # its prompts go on at the agent's priority; the compaction below joins them
+            sent = asyncio.ensure_future(running.sent.wait())
+            await asyncio.wait({sent, running.compaction}, return_when=asyncio.FIRST_COMPLETED)
+            sent.cancel()
+            self._sessions(turn).pop(turn.session_id or "")
+        elif running is not None and state != "absent":  # apply or wait for it; if it failed, say why
             result, note = await self._finish(running)
             self._sessions(turn).pop(turn.session_id or "")
         source: Literal["background", "blocking"] = "background" if result is not None else "blocking"
+        if not isinstance(result, ServiceResult):  # rolled (its summaries are in the chunk cache) or none
+            result = None
         try:
             return await self._apply(turn, tokenizer, result, source, began, note)
         except CompactionError as exc:
@@ -153,7 +181,13 @@ class SessionCompactions:
         """Whether the turn's tenant may start one more background run (its own session's counts as replaced)."""
         runs = self._sessions(turn)
         others = [r for key, r in runs.items() if key != turn.session_id and not r.warmed.done()]
-        return len(others) < self.max_running_per_tenant
+        return len(others) < self._cap(turn.tenant)
+
+    def _cap(self, tenant: str) -> int:
+        """Background runs a tenant may have going: chat_background_per_tenant, and never more than its own cap on
+        requests at once."""
+        own = self._tenant_cap(tenant) if self._tenant_cap is not None else None
+        return self.max_running_per_tenant if own is None else min(own, self.max_running_per_tenant)
 
     def _check_wire(self, turn: ChatTurn) -> None:
         """A session speaks one API format: a turn of another is refused, never mixed in silently."""
@@ -177,11 +211,15 @@ class SessionCompactions:
         """What the kept background runs hold, about (see `_Running.bytes`)."""
         return sum(r.bytes for runs in self._runs.values() for r in runs.values())
 
-    def _start(self, turn: ChatTurn, messages: Sequence[Message], digests: Sequence[str]) -> None:
+    def _start(self, turn: ChatTurn, messages: Sequence[Message], digests: Sequence[str], tokens: int) -> None:
         session = turn.session_id or ""
         urgent = asyncio.Event()
         job = self._job(turn, [_lean_message(m) for m in messages], "background")
-        compaction = asyncio.create_task(_lean(lambda: self._compact(job, urgent)), name=f"background-{session}")
+        roll = self._roll if turn.entry.apply_background == "rolling" else None
+        sent = asyncio.Event()
+        work: Callable[[], Coroutine[Any, Any, ServiceResult | int]]
+        work = (lambda: roll(job, urgent, sent)) if roll is not None else (lambda: self._compact(job, urgent))
+        compaction: asyncio.Task[ServiceResult | int] = asyncio.create_task(_lean(work), name=f"background-{session}")
         warmed = asyncio.create_task(_lean(lambda: self._warmed(compaction, job, urgent)), name=f"warm-{session}")
         for task in (compaction, warmed):
             task.add_done_callback(_retrieve)
@@ -191,7 +229,15 @@ class SessionCompactions:
         if stale is not None:  # a snapshot of a history the client no longer has, or of other options
             stale.cancel()
         running = _Running(
-            Snapshot.of(digests), _made_for(turn), compaction, warmed, urgent, len(job.model_dump_json())
+            Snapshot.of(digests),
+            _made_for(turn),
+            compaction,
+            warmed,
+            urgent,
+            len(job.model_dump_json()),
+            tokens,
+            rolling=roll is not None,
+            sent=sent,
         )
         compaction.add_done_callback(lambda task: _measure(running, task))
         sessions.put(session, running)
@@ -200,19 +246,19 @@ class SessionCompactions:
             heaviest.pop_oldest()
 
     async def _warmed(
-        self, compaction: asyncio.Task[ServiceResult], job: CompactJob, urgent: asyncio.Event
-    ) -> ServiceResult:
+        self, compaction: asyncio.Task[ServiceResult | int], job: CompactJob, urgent: asyncio.Event
+    ) -> ServiceResult | int:
         """The background result once its compacted prompt is prefilled on the session's replica (unless a turn
         is already waiting for it: that turn's own prefill does it), so the turn that applies it reads it there."""
         result = await compaction
-        if self._warm is not None and job.session_id and not urgent.is_set():
+        if isinstance(result, ServiceResult) and self._warm is not None and job.session_id and not urgent.is_set():
             prompt = spliced(result.messages[: result.kept_head + 1], result.replaces_through, job.messages)
             with contextlib.suppress(CompactionError):  # a cache warm-up only; the turn prefills it otherwise
                 await self._warm(job.model, prompt, job.session_id, job.cache_salt)
         return result
 
     @staticmethod
-    async def _finish(running: _Running) -> tuple[ServiceResult | None, str | None]:
+    async def _finish(running: _Running) -> tuple[ServiceResult | int | None, str | None]:
         """The background result, waiting for what is left of it at the agent's priority; None (and why) if it
         failed."""
         running.urgent.set()
@@ -238,6 +284,8 @@ class SessionCompactions:
         """Splice a finished compaction (or make one now); compact again if the splice still crosses the threshold."""
         if result is None:
             result = await self._compact(self._job(turn, turn.messages), asyncio.Event())
+            if turn.entry.apply_background == "rolling" and result.stats.reused_chunks:
+                source = "background"  # made of summaries rolled in the background (and the chunks that were not)
         head, through = result.messages[: result.kept_head + 1], result.replaces_through
         prompt = spliced(head, through, turn.messages)
         tokens = prompt_tokens(prompt, tokenizer) + turn.tool_tokens
@@ -247,7 +295,7 @@ class SessionCompactions:
             prompt = spliced(head, through, turn.messages)
             tokens = prompt_tokens(prompt, tokenizer) + turn.tool_tokens
         if turn.session_id and wants_background(tokens, turn.growth, turn.entry, turn.idle_s) and self._room_for(turn):
-            self._start(turn, prompt, message_digests(prompt))  # the compacted prompt is the next snapshot
+            self._start(turn, prompt, message_digests(prompt), tokens)  # the compacted prompt is the next snapshot
         return TurnCompaction(
             status="applied",
             messages=head,
@@ -274,9 +322,10 @@ class SessionCompactions:
     def _job(turn: ChatTurn, messages: Sequence[Message], priority: Priority = "agent") -> CompactJob:
         """A compaction of `messages` with the turn's options. A background snapshot keeps `growth` fewer recent
         tokens verbatim: at least one more turn (about that long) stays verbatim after it by the time it is applied,
-        so the prompt it leaves keeps about keep_recent_tokens, as a blocking compaction's does."""
+        so the prompt it leaves keeps about keep_recent_tokens, as a blocking compaction's does. (A rolling run
+        keeps blocking's: its chunks are those that stay final until the threshold.)"""
         options = turn.entry.options()
-        if priority == "background":
+        if priority == "background" and turn.entry.apply_background != "rolling":
             keep = max(0, options.keep_recent_tokens - turn.growth)
             options = options.model_copy(update={"keep_recent_tokens": keep})
         return CompactJob(
@@ -319,7 +368,7 @@ def _declared(model: BaseModel) -> dict[str, Any]:
     return out
 
 
-async def _lean(work: Callable[[], Coroutine[Any, Any, ServiceResult]]) -> ServiceResult:
+async def _lean(work: Callable[[], Coroutine[Any, Any, Result]]) -> Result:
     """`work()`'s result, or its error alone: raised afresh, without the traceback whose frames hold its plan."""
     try:
         return await work()
@@ -331,13 +380,14 @@ async def _lean(work: Callable[[], Coroutine[Any, Any, ServiceResult]]) -> Servi
     raise error
 
 
-def _measure(running: _Running, task: asyncio.Task[ServiceResult]) -> None:
-    """A finished run holds its result (or, failed, almost nothing)."""
+def _measure(running: _Running, task: asyncio.Task[ServiceResult | int]) -> None:
+    """A finished run holds its result (or, failed or rolled, almost nothing)."""
     done = not task.cancelled() and task.exception() is None
-    running.bytes = len(task.result().model_dump_json()) if done else 0
+    result = task.result() if done else None
+    running.bytes = len(result.model_dump_json()) if isinstance(result, ServiceResult) else 0
 
 
-def _retrieve(task: asyncio.Task[ServiceResult]) -> None:
+def _retrieve(task: asyncio.Task[Any]) -> None:
     """Mark a background failure as seen (it is reported on the turn that uses it), so asyncio does not log it,
     and keep the error alone: its traceback's frames hold the job (every message of the snapshot)."""
     if not task.cancelled() and (error := task.exception()) is not None:

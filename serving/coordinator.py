@@ -175,6 +175,13 @@ def _plan(compactor: Compactor, job: CompactJob) -> tuple[CompactionPlan, int]:
     return plan, len(compactor.reusable(plan))
 
 
+def _whole_chunks_to_do(compactor: Compactor, job: CompactJob) -> tuple[CompactionPlan, list[int]]:
+    """The job's plan and its whole chunks that the chunk cache does not hold yet (run in a worker thread)."""
+    plan = compactor.plan(job.messages, job.options, namespace=job.tenant)
+    cached = compactor.reusable(plan)
+    return plan, [k for k in compactor.whole_chunks(plan) if k not in cached]
+
+
 class Coordinator:
     """Runs compactions for several models: shared identical runs, admission, deadlines, metrics."""
 
@@ -236,6 +243,38 @@ class Coordinator:
             result = result.model_copy(update={"stats": result.stats.model_copy(update={"shared": True})})
         self._report(job, "ok", result.stats, joined)
         return result
+
+    async def roll(
+        self, job: CompactJob, urgent: asyncio.Event | None = None, sent: asyncio.Event | None = None
+    ) -> int:
+        """Summarise the whole chunks of the job's history into the chunk cache, at the job's priority (raised to
+        the agent's once `urgent` is set), and merge nothing: a rolling background run, whose summaries the
+        compaction at the threshold takes from the cache, or joins while in flight (`sent` is set once they
+        are). Returns how many chunks it summarised; raises a CompactionError like `compact`."""
+        runtime = self.runtime(job.model)
+        timeout = job.timeout_s or self.admission.timeout_s
+        try:
+            async with asyncio.timeout(timeout):
+                return await self._admit_and_roll(runtime, job, urgent, sent)
+        except TimeoutError as exc:
+            raise DeadlineExceeded(f"the rolling summaries did not finish within {timeout:g} s", timeout) from exc
+
+    async def _admit_and_roll(
+        self, runtime: ModelRuntime, job: CompactJob, urgent: asyncio.Event | None, sent: asyncio.Event | None
+    ) -> int:
+        compactor = runtime.compactor
+        plan, todo = await asyncio.to_thread(_whole_chunks_to_do, compactor, job)
+        if not todo:
+            return 0
+        replicas = max(1, await runtime.replicas())
+        gate = self._gates[job.model]
+        gate.resize(runtime.batch_sequences * replicas)
+        async with gate.admitted(len(todo), job.tenant, background=job.priority == "background", urgent=urgent):
+            shape = self._placement_input(plan, job, replicas, compactor)
+            placement = await asyncio.to_thread(place, shape, job.placement, runtime.cost)
+            backend = Escalation(Salted(compactor.backend, job.cache_salt), PRIORITIES[job.priority], urgent)
+            await compactor.summarise(plan, todo, routes=placement.routes(), backend=backend, sent=sent)
+        return len(todo)
 
     def refresh_gauges(self) -> None:
         """Set every model's queue gauges again (Ray drops a gauge left unset for two export intervals)."""

@@ -95,6 +95,9 @@ class TenancyConfig(BaseModel):
         default_factory=dict, description="Limits of particular tenants (by tenant id), replacing `limits`."
     )
 
+    def limits_of(self, tenant: str) -> TenantLimits:
+        return self.overrides.get(tenant, self.limits)
+
 
 @dataclass(frozen=True)
 class Tenant:
@@ -239,7 +242,7 @@ class Limiter:
     _usage: dict[str, _Usage] = field(default_factory=dict)
 
     def limits(self, tenant: str) -> TenantLimits:
-        return self.config.overrides.get(tenant, self.config.limits)
+        return self.config.limits_of(tenant)
 
     def admit(self, tenant: str) -> tuple[float, str] | None:
         """None: admitted (call `release` when done); else (Retry-After seconds, the reason)."""

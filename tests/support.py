@@ -27,9 +27,14 @@ TENANT_KEYS = {
     "tenant-a": "sk-test-a-0123456789",
     "tenant-b": "sk-test-b-0123456789",
     "limited": "sk-test-l-0123456789",
+    "narrow": "sk-test-n-0123456789",
 }
 # "limited" may send 2 requests at once above a rate of 6 a minute: the third one at once gets 429.
-SERVICE_OVERRIDES = {"limited": {"requests_per_minute": 6, "burst": 2}}
+# "narrow" may have one request at once, background compactions included.
+SERVICE_OVERRIDES = {
+    "limited": {"requests_per_minute": 6, "burst": 2},
+    "narrow": {"max_concurrent_requests": 1},
+}
 
 
 def auth(key: str = SERVICE_KEY) -> dict[str, str]:

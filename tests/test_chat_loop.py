@@ -72,5 +72,6 @@ def test_modes_differ_only_in_their_entry() -> None:
     background = settings.entry("background_parallel", 6)
     assert background is not None and background["background_threshold"] == 2560
     assert settings.entry("blocking_parallel", 6) == {
-        k: v for k, v in background.items() if k != "background_threshold"
+        k: v for k, v in background.items() if k not in ("background_threshold", "apply_background")
     }
+    assert settings.entry("rolling_parallel", 6) == {**background, "apply_background": "rolling"}

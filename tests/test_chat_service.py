@@ -96,6 +96,30 @@ def test_background_compaction_is_applied_later_with_less_stall_than_it_took(ser
     assert later["compacted_prompt_tokens"] < 1400
 
 
+def test_a_rolling_session_compacts_at_its_threshold_as_blocking_would_from_summaries_made_meanwhile(
+    service: Any,
+) -> None:
+    """apply_background "rolling": the turn past the soft threshold starts summarising the history's whole chunks
+    in the background; the turn past compact_threshold compacts that history exactly as a blocking compaction
+    does (the same chunks, the same turns kept), taking those summaries instead of making them again."""
+    client, session = openai_client(service.url), f"chat-{uuid.uuid4().hex[:8]}"
+    entry = {"compact_threshold": 1400, "background_threshold": 900, "apply_background": "rolling"}
+    entry["max_chunk_summary_tokens"] = 20  # its own chunk summaries: other tests compact these histories too
+    steps = coding_history(16)
+    history = [*steps[:41], {"role": "user", "content": "Keep going."}]  # ~1,010 tokens: past the soft threshold
+    first = ask(client, history, session, **entry).model_extra["compaction"]
+    assert first["status"] == "running" and 900 < first["prompt_tokens"] <= 1400
+    history += [{"role": "assistant", "content": "Going on."}, *steps[41:], {"role": "user", "content": "Done?"}]
+    rolled = ask(client, history, session, **entry).model_extra["compaction"]
+    assert rolled["status"] == "applied" and rolled["source"] == "background", rolled
+    assert rolled["stats"]["reused_chunks"] >= 1  # made in the background (finished, or joined in flight)
+    blocking = ask(client, history, f"chat-{uuid.uuid4().hex[:8]}", **{**entry, "reuse_chunks": False})
+    made = blocking.model_extra["compaction"]
+    assert made["status"] == "applied" and made["source"] == "blocking" and made["stats"]["reused_chunks"] == 0
+    borders = lambda c: [(k["start"], k["end"]) for k in c["stats"]["per_chunk"]]  # noqa: E731
+    assert borders(rolled) == borders(made) and rolled["replaces_through"] == made["replaces_through"]
+
+
 def test_a_finished_background_run_is_applied_at_the_next_turn_from_the_prefix_cache(service: Any) -> None:
     """The run goes at background priority, its compacted prompt is prefilled on the session's replica, and the
     turn that applies it (below compact_threshold) waits for nothing and reads that prompt from the cache."""

@@ -159,3 +159,18 @@ def test_the_current_turn_is_never_summarised(tokenizer: ChatTokenizer) -> None:
     assert compactor.plan(messages, {"chunk_tokens": 128}).kept_tail_from == len(messages)
     with pytest.raises(NothingToCompact):
         compactor.plan(messages[:1] + messages[-3:], {"keep_current_turn": True})
+
+
+def test_rolling_compacts_at_the_threshold_as_blocking_would_and_rolls_on_each_new_chunk() -> None:
+    rolling = entry(compact_threshold=4000, background_threshold=2000, chunk_tokens=512, apply_background="rolling")
+    # Past the threshold: a finished run is never spliced; the turn compacts (taking its summaries from the cache).
+    assert decide(4100, rolling, "done", True) == "compact"
+    assert decide(4100, rolling, "failed", True) == "compact"
+    assert decide(4100, rolling, "running", True) == "wait"
+    # Below it: one run at a time, a new one once a whole chunk's worth of history has become final since the last.
+    assert decide(2100, rolling, "absent", True) == "start_background"
+    assert decide(2600, rolling, "running", True, fresh=600) == "none"
+    assert decide(2600, rolling, "done", True, fresh=500) == "none"
+    assert decide(2700, rolling, "done", True, fresh=600) == "start_background"
+    assert decide(2700, rolling, "failed", True, fresh=600) == "start_background"
+    assert decide(1900, rolling, "absent", True) == "none" and decide(2100, rolling, "absent", False) == "none"

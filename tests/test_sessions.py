@@ -7,13 +7,15 @@ from typing import Any
 
 import pytest
 
+from compaction.chunk_cache import ChunkCache
+from compaction.compactor import Compactor
 from compaction.errors import BackendError, InvalidInput
 from compaction.history import parse_messages
 from compaction.plan import is_summary
 from compaction.tokenizer import HFChatTokenizer
 from compaction.turn_policy import parse_context_management, prompt_tokens
 from serving.background import SessionCompactions
-from serving.coordinator import CompactJob, ServiceResult
+from serving.coordinator import AdmissionConfig, CompactJob, Coordinator, ModelRuntime, ServiceResult
 from serving.turns import WIRE_FIELD, ChatTurn
 from tests.test_coordinator import MODEL, FakeReplicas, coordinator
 
@@ -363,7 +365,7 @@ async def test_one_tenants_flood_of_background_runs_is_capped_and_others_still_s
         await gate.wait()
         raise BackendError("released")
 
-    sessions = SessionCompactions(slow, max_running_per_tenant=2)
+    sessions = SessionCompactions(slow, max_running_per_tenant=2, tenant_cap=lambda t: 1 if t == "c" else None)
     history = [SYSTEM, *conversation(0, 16)]
 
     def of(tenant: str, session: str) -> ChatTurn:
@@ -373,7 +375,72 @@ async def test_one_tenants_flood_of_background_runs_is_capped_and_others_still_s
     assert [o.status for o in flood] == ["running", "running", "none"]
     assert flood[2].note is not None and "has 2 running already" in flood[2].note
     assert (await sessions.turn(of("b", "s0"), tokenizer)).status == "running"  # another tenant is not held back
+    capped = [await sessions.turn(of("c", f"s{i}"), tokenizer) for i in range(2)]  # its own cap: 1 at once
+    assert [o.status for o in capped] == ["running", "none"] and "has 1 running already" in (capped[1].note or "")
     gate.set()
     await until(lambda: sessions.running() == 0)
     assert (await sessions.turn(of("a", "s9"), tokenizer)).status == "running"  # room again once they ended
     await until(lambda: sessions.running() == 0)
+
+
+def cached_coordinator(tokenizer: HFChatTokenizer, replicas: FakeReplicas) -> Coordinator:
+    compactor = Compactor(tokenizer, replicas, context_window=8192, block_size=16, cache=ChunkCache())
+    return Coordinator({MODEL: ModelRuntime(compactor, replicas.count, batch_sequences=128)}, AdmissionConfig())
+
+
+async def test_rolling_summaries_make_the_thresholds_compaction_blockings_with_only_the_new_chunks_sent(
+    tokenizer: HFChatTokenizer,
+) -> None:
+    replicas = FakeReplicas()
+    served = cached_coordinator(tokenizer, replicas)
+    sessions = SessionCompactions(served.compact, roll=served.roll)
+    rolling = {"background_threshold": 700, "apply_background": "rolling"}
+    history = [SYSTEM, *conversation(0, 16)]
+    assert (await sessions.turn(turn(tokenizer, history, **rolling), tokenizer)).status == "running"
+    await until(lambda: not sessions.running())
+    rolled = len(served.runtime(MODEL).compactor.cache or ())
+    assert rolled >= 1  # the whole chunks older than keep_recent_tokens, summarised while the agent works
+    history += conversation(16, 22)  # a chunk's worth more: the next run summarises only what became final
+    assert (await sessions.turn(turn(tokenizer, history, **rolling), tokenizer)).status == "running"
+    await until(lambda: not sessions.running())
+    assert len(served.runtime(MODEL).compactor.cache or ()) > rolled
+    sent_before = sum(len(r.requests) for r in replicas.replicas.values())
+    history += [*conversation(22, 30), {"role": "user", "content": "Which trips are booked?"}]
+    outcome = await sessions.turn(turn(tokenizer, history, **rolling), tokenizer)
+    sent = sum(len(r.requests) for r in replicas.replicas.values()) - sent_before
+    # The same compaction a blocking turn makes of this history (on a service that rolled nothing)...
+    alone = cached_coordinator(tokenizer, FakeReplicas())
+    blocking = await SessionCompactions(alone.compact).turn(turn(tokenizer, history, **rolling), tokenizer)
+    assert outcome.status == blocking.status == "applied"
+    assert outcome.source == "background" and blocking.source == "blocking"
+    assert outcome.messages == blocking.messages and outcome.replaces_through == blocking.replaces_through
+    # ...of which only the chunks that were not final before the threshold were summarised at it.
+    assert outcome.stats is not None and blocking.stats is not None
+    assert outcome.stats.reused_chunks >= 2 and sent == blocking.stats.chunks - outcome.stats.reused_chunks
+
+
+async def test_at_the_threshold_the_chunks_a_rolling_run_has_in_flight_are_joined_not_sent_again(
+    tokenizer: HFChatTokenizer,
+) -> None:
+    rolling = {"background_threshold": 700, "apply_background": "rolling"}
+    start = [SYSTEM, *conversation(0, 16)]
+    history = [*start, *conversation(16, 30), {"role": "user", "content": "Which trips are booked?"}]
+    alone = cached_coordinator(tokenizer, FakeReplicas())
+    blocking = await SessionCompactions(alone.compact).turn(turn(tokenizer, history, **rolling), tokenizer)
+    assert blocking.stats is not None
+    chunks = blocking.stats.chunks
+    gate = asyncio.Event()
+    replicas = FakeReplicas(gate=gate)  # every prompt waits on the engines until the gate opens
+    served = cached_coordinator(tokenizer, replicas)
+    sessions = SessionCompactions(served.compact, roll=served.roll)
+    assert (await sessions.turn(turn(tokenizer, start, **rolling), tokenizer)).status == "running"
+    await until(lambda: replicas.parked >= 1)
+    rolled = replicas.parked  # the run's whole chunks, in flight at background priority
+    over = asyncio.create_task(sessions.turn(turn(tokenizer, history, **rolling), tokenizer))
+    # Raised to the agent's priority, the run re-sends its chunks; the compaction sends only the others.
+    await until(lambda: replicas.parked == 2 * rolled + chunks - rolled)
+    gate.set()
+    outcome = await over
+    assert outcome.status == "applied" and outcome.source == "background" and outcome.messages == blocking.messages
+    assert outcome.stats is not None and outcome.stats.reused_chunks == rolled
+    assert sum(len(r.requests) for r in replicas.replicas.values()) == chunks  # each chunk summarised once

@@ -10,7 +10,10 @@ which is when a background compaction can run without slowing it. Nothing else c
   none                 no context_management (only where the whole stream fits the window)
   blocking_sequential  compact_threshold, strategy sequential
   blocking_parallel    compact_threshold, strategy parallel
-  background_parallel  compact_threshold and background_threshold, strategy parallel
+  background_parallel  compact_threshold and background_threshold, strategy parallel: the snapshot's
+                       compaction applied at the next turn (apply_background "ready")
+  rolling_parallel     the same thresholds, apply_background "rolling": chunks summarised in the background
+                       as they become final, the compaction at τ made as blocking_parallel's from them
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from jobs.agent.metrics import percentile, score_answer
 from jobs.agent.pipeline import SYSTEM_PROMPT, question_prompt
 from jobs.data.episodes import Document, Question, Step
 
-ChatMode = Literal["none", "blocking_sequential", "blocking_parallel", "background_parallel"]
+ChatMode = Literal["none", "blocking_sequential", "blocking_parallel", "background_parallel", "rolling_parallel"]
 MODES: tuple[ChatMode, ...] = get_args(ChatMode)
 ACK = "Noted."
 
@@ -35,7 +38,7 @@ class LoopSettings:
     """One benchmark's thresholds and budgets, shared by every mode so they compare."""
 
     compact_threshold: int  # τ: the hard threshold of every compacting mode
-    background_threshold: int  # the soft threshold of background_parallel
+    background_threshold: int  # the soft threshold of background_parallel and rolling_parallel
     chunk_tokens: int = 512  # B of the parallel modes
     summary_tokens: int = 32  # per chunk (parallel) or whole (sequential is given chunks x this)
     answer_tokens: int = 24  # reply budget of a question
@@ -53,8 +56,9 @@ class LoopSettings:
             "chunk_tokens": self.chunk_tokens,
             "max_chunk_summary_tokens": self.summary_tokens,
         }
-        if mode == "background_parallel":
+        if mode in ("background_parallel", "rolling_parallel"):
             base["background_threshold"] = self.background_threshold
+            base["apply_background"] = "rolling" if mode == "rolling_parallel" else "ready"
         return base
 
 

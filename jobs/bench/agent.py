@@ -1,7 +1,7 @@
 """The agent-loop benchmark: one agent through `/v1/chat/completions`, compaction done server-side, per mode.
 
     python -m jobs.bench.agent [--dataset locomo|hotpotqa] [--limit 12] [--tau 4096] [--background 2560]
-                               [--modes none,blocking_sequential,blocking_parallel,background_parallel]
+                               [--modes none,blocking_sequential,blocking_parallel,background_parallel,rolling_parallel]
                                [--tool-time codex|SECONDS] [--url URL | --port 8000] [--out results/bench-agent]
 
 Starts the service (or uses a running one with --url) and plays the same stream of steps (a LoCoMo
@@ -68,12 +68,12 @@ RATIOS = (
 
 
 def ratios(totals: dict[str, dict[str, Any]]) -> dict[str, float]:
-    """background_parallel's figures over the other modes' (the benchmark's claims), where both ran."""
-    background = totals.get("background_parallel")
+    """The background modes' figures over the other modes' (the benchmark's claims), where both ran."""
     out = {}
-    for figure, other in RATIOS:
-        if background and other in totals and totals[other][figure] > 0:
-            out[f"background_parallel {figure} / {other}"] = round(background[figure] / totals[other][figure], 3)
+    for mode in ("background_parallel", "rolling_parallel"):
+        for figure, other in RATIOS if mode in totals else ():
+            if other in totals and totals[other][figure] > 0:
+                out[f"{mode} {figure} / {other}"] = round(totals[mode][figure] / totals[other][figure], 3)
     return out
 
 
@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--limit", type=int, default=12, help="LoCoMo sessions or HotpotQA examples")
     parser.add_argument("--data-dir", type=Path, default=SHARED_DATA)
     parser.add_argument("--tau", type=int, default=4096, help="compact_threshold of every compacting mode")
-    parser.add_argument("--background", type=int, default=2560, help="background_threshold of background_parallel")
+    parser.add_argument("--background", type=int, default=2560, help="background_threshold of the background modes")
     parser.add_argument("--chunk-tokens", type=int, default=512)
     parser.add_argument("--summary-tokens", type=int, default=32, help="per chunk; sequential gets the matched total")
     parser.add_argument("--answer-tokens", type=int, default=24)

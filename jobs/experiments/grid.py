@@ -35,6 +35,9 @@ FIXTURES = Path(__file__).resolve().parents[1] / "data" / "fixtures"
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
+BACKGROUND_MODES = ("background_parallel", "rolling_parallel")  # chat_agent modes with a background_threshold
+
+
 class DataPaths(BaseModel):
     """Benchmark files; relative paths are read from the data folder (--data-dir)."""
 
@@ -90,10 +93,11 @@ class Experiment(BaseModel):
     variants: list[Variant] = Field(["default"], min_length=1)
     taus: list[int] | None = Field(None, description="agent, chat_agent: compaction thresholds τ in tokens.")
     modes: list[ChatMode] | None = Field(
-        None, description="chat_agent: none, blocking_sequential, blocking_parallel, background_parallel."
+        None,
+        description="chat_agent: none, blocking_sequential, blocking_parallel, background_parallel, rolling_parallel.",
     )
     background_share: float = Field(
-        0.625, gt=0, lt=1, description="chat_agent: background_threshold of background_parallel, as a share of τ."
+        0.625, gt=0, lt=1, description="chat_agent: background_threshold of the background modes, as a share of τ."
     )
     tool_time: str = Field(
         "codex",
@@ -321,7 +325,7 @@ def expand(config: SweepConfig, catalogue: Catalogue) -> Expansion:
                 sample_id=e.sample_id,
                 grounding_threshold=threshold,
                 mode=mode,
-                background_threshold=int(size * e.background_share) if mode == "background_parallel" else None,
+                background_threshold=int(size * e.background_share) if mode in BACKGROUND_MODES else None,
                 tool_time=e.tool_time if e.kind == "chat_agent" else None,
                 option_set=options[0],
                 overrides=options[1],

@@ -29,6 +29,7 @@ import sys
 import tempfile
 import time
 import zlib
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -135,11 +136,13 @@ def coordinators_rss() -> int:
     return sum(rss_bytes(p.pid) or 0 for p in service_processes() if p.role == "coordinator")
 
 
-async def failing_runs(url: str, count: int) -> None:
+async def failing_runs(url: str, count: int) -> Counter[str]:
     """Chat turns over background_threshold whose background run fails in planning (more chunks than allowed),
-    each message carrying about 1 KiB of extra fields inside its content part."""
+    each message carrying about 1 KiB of extra fields inside its content part; the turns' compaction statuses.
+    Sent again, the same turns say how each run ended: "none" (failed), "running" or "applied" (it did not fail)."""
     pad = {"cache_control": {"type": "ephemeral", "pad": "x" * 1024}}
     entry = {"type": "compaction", "compact_threshold": 4000, "background_threshold": 200, "chunk_tokens": 4}
+    statuses: Counter[str] = Counter()
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
         for n in range(count):
             messages = [
@@ -148,8 +151,10 @@ async def failing_runs(url: str, count: int) -> None:
             body = {"model": MODEL, "messages": messages, "max_tokens": 1, "context_management": [entry]}
             response = await client.post("/v1/chat/completions", json=body, headers=headers("hostile", f"fail-{n}"))
             response.raise_for_status()
+            statuses[response.json()["compaction"]["status"]] += 1
             if (n + 1) % 25 == 0:
-                say(f"{n + 1} failing background runs sent")
+                say(f"{n + 1} turns sent: {dict(statuses)}")
+    return statuses
 
 
 def quantiles(seconds: list[float]) -> dict[str, float]:
@@ -174,9 +179,13 @@ def main(argv: list[str] | None = None) -> int:
             figures[neighbour] = {**quantiles(turns), "priority_refused": refused}
             say(f"beside the {neighbour}: {figures[neighbour]}")
         before = coordinators_rss()
-        asyncio.run(failing_runs(service.url, args.failing))
+        started = asyncio.run(failing_runs(service.url, args.failing))
         time.sleep(5)  # the last runs' failures are recorded
         after = coordinators_rss()
+        say("the same turns again, to read how each background run ended")
+        ended = asyncio.run(failing_runs(service.url, args.failing))
+    figures["failing_runs"] = {"started": started.get("running", 0), "failed": ended.get("none", 0)}
+    say(f"background runs started {figures['failing_runs']['started']}, failed {figures['failing_runs']['failed']}")
     if args.seconds > 0:
         figures["ratio_p95"] = round(figures["hostile"]["p95_s"] / figures["neighbour"]["p95_s"], 2)
         say(f"victim p95 beside the hostile tenant / beside the neighbour: {figures['ratio_p95']} (target <= 1.5)")
@@ -188,7 +197,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(figures, indent=1))
-    return 0 if figures.get("ratio_p95", 0) <= 1.5 and figures["coordinators_rss_growth_pct"] <= 10 else 1
+    all_failed = figures["failing_runs"]["started"] == figures["failing_runs"]["failed"] == args.failing
+    return (
+        0 if figures.get("ratio_p95", 0) <= 1.5 and figures["coordinators_rss_growth_pct"] <= 10 and all_failed else 1
+    )
 
 
 if __name__ == "__main__":

@@ -169,9 +169,9 @@ class SessionCompactions:
         elif running is not None and state != "absent":  # apply or wait for it; if it failed, say why
             result, note = await self._finish(running)
             self._sessions(turn).pop(turn.session_id or "")
-        source: Literal["background", "blocking"] = "background" if result is not None else "blocking"
         if not isinstance(result, ServiceResult):  # rolled (its summaries are in the chunk cache) or none
             result = None
+        source: Literal["background", "blocking"] = "background" if result is not None else "blocking"
         try:
             return await self._apply(turn, tokenizer, result, source, began, note)
         except CompactionError as exc:

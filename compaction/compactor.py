@@ -35,6 +35,7 @@ from compaction.result import ChunkStats, CompactionResult
 from compaction.tokenizer import ChatTokenizer
 
 RETRY_REPETITION_PENALTY = 1.3
+FALLBACKS = frozenset({"kept_verbatim", "extractive_fallback"})  # a chunk's statuses without a model summary
 _Kept = tuple[ChunkStats, str]  # a chunk's stats and kept text
 
 
@@ -49,6 +50,7 @@ class _InFlight:
 
     backend: Backend
     done: asyncio.Future[_Kept]
+    keeps_fallbacks: bool  # False (a rolling run): a chunk that fell back is summarised again by whoever waited
 
 
 def urgency(backend: Backend) -> int:
@@ -127,10 +129,13 @@ class Compactor:
         routes: Sequence[str | None] | None = None,
         backend: Backend | None = None,
         sent: asyncio.Event | None = None,
+        keep_fallbacks: bool = True,
     ) -> dict[int, _Kept]:
         """The summaries of these chunks of a plan, all sent at once; from the chunk cache where it has them.
         If any chunk fails for good, the error propagates and the other requests are cancelled. `sent` is set
-        once every chunk's prompt is in flight (another run of the same prompts then joins them)."""
+        once every chunk's prompt is in flight (another run of the same prompts then joins them);
+        `keep_fallbacks` False: a chunk that fell back (no model summary passed the checks) is not put in the
+        chunk cache, so the next compaction asks the model again."""
         keys = list(routes) if routes is not None else [None] * len(plan.prompts)
         target = backend or self.backend
         wanted = list(chunks)
@@ -138,7 +143,7 @@ class Compactor:
         try:
             async with asyncio.TaskGroup() as group:
                 tasks = {
-                    k: group.create_task(self._summarise_and_keep(target, plan, k, keys[k]))
+                    k: group.create_task(self._summarise_and_keep(target, plan, k, keys[k], keep_fallbacks))
                     for k in wanted
                     if k not in reused
                 }
@@ -159,14 +164,14 @@ class Compactor:
         return list(range(len(plan.chunks) - 1)) if stable else []
 
     async def _summarise_and_keep(
-        self, backend: Backend, plan: CompactionPlan, k: int, route: str | None
+        self, backend: Backend, plan: CompactionPlan, k: int, route: str | None, keep_fallbacks: bool = True
     ) -> tuple[ChunkStats, str]:
         """Chunk k's summary, put in the chunk cache the moment it is done: a run cancelled (its deadline, a
         client gone, a turn that escalates it) or failed in another chunk leaves its finished chunks reusable.
 
         The same prompt already being summarised (a rolling background run's, `serving.background`) is waited
         for instead of sent again, when it goes out at this run's priority or a more urgent one; if that run
-        fails or is cancelled, this one sends it."""
+        fails or is cancelled (or, keeping no fallbacks, fell back), this one sends it."""
         if self.cache is None or not plan.options.reuse_chunks:
             return await self._summarise(backend, plan, k, route)
         prompt = plan.prompts[k]
@@ -174,13 +179,14 @@ class Compactor:
         other = self._in_flight.get(key)
         if other is not None and urgency(other.backend) <= urgency(backend):
             await asyncio.wait({other.done})
-            if not other.done.cancelled():
+            if not other.done.cancelled() and (other.keeps_fallbacks or other.done.result()[0].status not in FALLBACKS):
                 return _as_reused(other.done.result(), k)
-        mine = _InFlight(backend, asyncio.get_running_loop().create_future())
+        mine = _InFlight(backend, asyncio.get_running_loop().create_future(), keep_fallbacks)
         self._in_flight[key] = mine
         try:
             stats, text = await self._summarise(backend, plan, k, route)
-            self.cache.put(plan.scope, plan.history.token_ids, prompt.chunk, prompt.view, text, stats)
+            if keep_fallbacks or stats.status not in FALLBACKS:
+                self.cache.put(plan.scope, plan.history.token_ids, prompt.chunk, prompt.view, text, stats)
             mine.done.set_result((stats, text))
             return stats, text
         finally:

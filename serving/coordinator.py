@@ -273,7 +273,8 @@ class Coordinator:
             shape = self._placement_input(plan, job, replicas, compactor)
             placement = await asyncio.to_thread(place, shape, job.placement, runtime.cost)
             backend = Escalation(Salted(compactor.backend, job.cache_salt), PRIORITIES[job.priority], urgent)
-            await compactor.summarise(plan, todo, routes=placement.routes(), backend=backend, sent=sent)
+            # A chunk whose summary fell back is not kept: the compaction at the threshold asks the model again.
+            await compactor.summarise(plan, todo, placement.routes(), backend, sent=sent, keep_fallbacks=False)
         return len(todo)
 
     def refresh_gauges(self) -> None:

@@ -7,16 +7,19 @@ from typing import Any
 
 import pytest
 
+from compaction.backend import GenerationRequest
 from compaction.chunk_cache import ChunkCache
 from compaction.compactor import Compactor
 from compaction.errors import BackendError, InvalidInput
 from compaction.history import parse_messages
+from compaction.pacing import BACKGROUND
 from compaction.plan import is_summary
 from compaction.tokenizer import HFChatTokenizer
 from compaction.turn_policy import parse_context_management, prompt_tokens
 from serving.background import SessionCompactions
 from serving.coordinator import AdmissionConfig, CompactJob, Coordinator, ModelRuntime, ServiceResult
 from serving.turns import WIRE_FIELD, ChatTurn
+from tests.fakes import short_summary
 from tests.test_coordinator import MODEL, FakeReplicas, coordinator
 
 SYSTEM = {"role": "system", "content": "You are a travel agent."}
@@ -444,3 +447,27 @@ async def test_at_the_threshold_the_chunks_a_rolling_run_has_in_flight_are_joine
     assert outcome.status == "applied" and outcome.source == "background" and outcome.messages == blocking.messages
     assert outcome.stats is not None and outcome.stats.reused_chunks == rolled
     assert sum(len(r.requests) for r in replicas.replicas.values()) == chunks  # each chunk summarised once
+
+
+async def test_a_chunk_whose_rolled_summary_fell_back_is_summarised_again_at_the_threshold(
+    tokenizer: HFChatTokenizer,
+) -> None:
+    def empty_in_the_background(request: GenerationRequest) -> tuple[str, str]:
+        return ("", "stop") if request.priority == BACKGROUND else short_summary(request)
+
+    replicas = FakeReplicas()
+    for backend in replicas.replicas.values():
+        backend.script = empty_in_the_background  # every background summary is empty: the chunk falls back
+    served = cached_coordinator(tokenizer, replicas)
+    sessions = SessionCompactions(served.compact, roll=served.roll)
+    rolling = {"background_threshold": 700, "apply_background": "rolling"}
+    history = [SYSTEM, *conversation(0, 16)]
+    assert (await sessions.turn(turn(tokenizer, history, **rolling), tokenizer)).status == "running"
+    await until(lambda: not sessions.running())
+    sent = sum(len(r.requests) for r in replicas.replicas.values())
+    assert sent >= 1 and len(served.runtime(MODEL).compactor.cache or ()) == 0  # tried, and nothing kept
+    history += [*conversation(16, 30), {"role": "user", "content": "Which trips are booked?"}]
+    outcome = await sessions.turn(turn(tokenizer, history, **rolling), tokenizer)
+    assert outcome.status == "applied" and outcome.source == "blocking" and outcome.stats is not None
+    again = [r for b in replicas.replicas.values() for r in b.requests[:] if r.priority != BACKGROUND]
+    assert outcome.stats.reused_chunks == 0 and len(again) == outcome.stats.chunks  # every chunk asked again

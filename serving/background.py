@@ -163,8 +163,10 @@ class SessionCompactions:
         if running is not None and running.rolling and state == "running":
             running.urgent.set()  # its prompts go on at the agent's priority; the compaction below joins them
             sent = asyncio.ensure_future(running.sent.wait())
-            await asyncio.wait({sent, running.compaction}, return_when=asyncio.FIRST_COMPLETED)
-            sent.cancel()
+            try:
+                await asyncio.wait({sent, running.compaction}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                sent.cancel()
             self._sessions(turn).pop(turn.session_id or "")
         elif running is not None and state != "absent":  # apply or wait for it; if it failed, say why
             result, note = await self._finish(running)

@@ -162,7 +162,7 @@ def run(args: argparse.Namespace, quiet: bool) -> int:
 def play_agent(
     url: str, messages: list[dict[str, Any]], tokenizer: ChatTokenizer, args: argparse.Namespace, reset: Any
 ) -> list[ChatEpisode]:
-    """The conversation played as an agent session, blocking vs background compaction, each on cold caches."""
+    """The conversation played as an agent session, blocking vs background (ready, rolling), each on cold caches."""
     from openai import OpenAI
 
     client = OpenAI(base_url=f"{url}/v1", api_key=client_key() or "unused", max_retries=0, timeout=900)
@@ -170,7 +170,7 @@ def play_agent(
     settings = LoopSettings(args.tau, args.tau * 2 // 3, args.chunk_tokens, 32, ack_tokens=4)
     episodes = []
     tools = args.tool_time.seconds(len(steps))
-    for mode in ("blocking_parallel", "background_parallel"):
+    for mode in ("blocking_parallel", "background_parallel", "rolling_parallel"):
         reset()
         say(f"agent loop, {mode.replace('_', ' ')} compaction: {len(steps)} turns through /v1/chat/completions")
         episodes.append(run_episode(client, MODEL, "locomo", steps, mode, settings, 1, tools))

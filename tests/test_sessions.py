@@ -391,22 +391,33 @@ def cached_coordinator(tokenizer: HFChatTokenizer, replicas: FakeReplicas) -> Co
     return Coordinator({MODEL: ModelRuntime(compactor, replicas.count, batch_sequences=128)}, AdmissionConfig())
 
 
+ROLLING = {"background_threshold": 700, "apply_background": "rolling"}
+
+
+async def rolled(
+    tokenizer: HFChatTokenizer, replicas: FakeReplicas
+) -> tuple[Coordinator, SessionCompactions, list[dict[str, Any]]]:
+    """A rolling session past its soft threshold, once its first run has ended: (coordinator, sessions, history)."""
+    served = cached_coordinator(tokenizer, replicas)
+    sessions = SessionCompactions(served.compact, roll=served.roll)
+    history: list[dict[str, Any]] = [SYSTEM, *conversation(0, 16)]
+    assert (await sessions.turn(turn(tokenizer, history, **ROLLING), tokenizer)).status == "running"
+    await until(lambda: not sessions.running())
+    return served, sessions, history
+
+
 async def test_rolling_summaries_make_the_thresholds_compaction_blockings_with_only_the_new_chunks_sent(
     tokenizer: HFChatTokenizer,
 ) -> None:
     replicas = FakeReplicas()
-    served = cached_coordinator(tokenizer, replicas)
-    sessions = SessionCompactions(served.compact, roll=served.roll)
-    rolling = {"background_threshold": 700, "apply_background": "rolling"}
-    history = [SYSTEM, *conversation(0, 16)]
-    assert (await sessions.turn(turn(tokenizer, history, **rolling), tokenizer)).status == "running"
-    await until(lambda: not sessions.running())
-    rolled = len(served.runtime(MODEL).compactor.cache or ())
-    assert rolled >= 1  # the whole chunks older than keep_recent_tokens, summarised while the agent works
+    served, sessions, history = await rolled(tokenizer, replicas)
+    rolling = ROLLING
+    made = len(served.runtime(MODEL).compactor.cache or ())
+    assert made >= 1  # the whole chunks older than keep_recent_tokens, summarised while the agent works
     history += conversation(16, 22)  # a chunk's worth more: the next run summarises only what became final
     assert (await sessions.turn(turn(tokenizer, history, **rolling), tokenizer)).status == "running"
     await until(lambda: not sessions.running())
-    assert len(served.runtime(MODEL).compactor.cache or ()) > rolled
+    assert len(served.runtime(MODEL).compactor.cache or ()) > made
     sent_before = sum(len(r.requests) for r in replicas.replicas.values())
     history += [*conversation(22, 30), {"role": "user", "content": "Which trips are booked?"}]
     outcome = await sessions.turn(turn(tokenizer, history, **rolling), tokenizer)
@@ -438,14 +449,14 @@ async def test_at_the_threshold_the_chunks_a_rolling_run_has_in_flight_are_joine
     sessions = SessionCompactions(served.compact, roll=served.roll)
     assert (await sessions.turn(turn(tokenizer, start, **rolling), tokenizer)).status == "running"
     await until(lambda: replicas.parked >= 1)
-    rolled = replicas.parked  # the run's whole chunks, in flight at background priority
+    in_flight = replicas.parked  # the run's whole chunks, in flight at background priority
     over = asyncio.create_task(sessions.turn(turn(tokenizer, history, **rolling), tokenizer))
     # Raised to the agent's priority, the run re-sends its chunks; the compaction sends only the others.
-    await until(lambda: replicas.parked == 2 * rolled + chunks - rolled)
+    await until(lambda: replicas.parked == 2 * in_flight + chunks - in_flight)
     gate.set()
     outcome = await over
     assert outcome.status == "applied" and outcome.source == "background" and outcome.messages == blocking.messages
-    assert outcome.stats is not None and outcome.stats.reused_chunks == rolled
+    assert outcome.stats is not None and outcome.stats.reused_chunks == in_flight
     assert sum(len(r.requests) for r in replicas.replicas.values()) == chunks  # each chunk summarised once
 
 
@@ -458,12 +469,8 @@ async def test_a_chunk_whose_rolled_summary_fell_back_is_summarised_again_at_the
     replicas = FakeReplicas()
     for backend in replicas.replicas.values():
         backend.script = empty_in_the_background  # every background summary is empty: the chunk falls back
-    served = cached_coordinator(tokenizer, replicas)
-    sessions = SessionCompactions(served.compact, roll=served.roll)
-    rolling = {"background_threshold": 700, "apply_background": "rolling"}
-    history = [SYSTEM, *conversation(0, 16)]
-    assert (await sessions.turn(turn(tokenizer, history, **rolling), tokenizer)).status == "running"
-    await until(lambda: not sessions.running())
+    served, sessions, history = await rolled(tokenizer, replicas)
+    rolling = ROLLING
     sent = sum(len(r.requests) for r in replicas.replicas.values())
     assert sent >= 1 and len(served.runtime(MODEL).compactor.cache or ()) == 0  # tried, and nothing kept
     history += [*conversation(16, 30), {"role": "user", "content": "Which trips are booked?"}]

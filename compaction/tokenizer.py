@@ -3,6 +3,7 @@ implementation (transformers is imported lazily)."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from functools import cached_property
 from pathlib import Path
@@ -55,9 +56,18 @@ class HFChatTokenizer:
 
     def __init__(self, tokenizer: Any) -> None:
         self._tok = tokenizer
+        # transformers keeps `split_special_tokens` as state of the shared Rust tokenizer, set by each call: two
+        # threads (counting a turn, planning a compaction) could each encode with the other's setting. One at a time.
+        self._lock = threading.Lock()
         self._preambles: dict[str, str] = {}
         if not getattr(tokenizer, "chat_template", None):
             raise InvalidInput("model", "the tokenizer has no chat template")
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "_lock"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, _lock=threading.Lock())
 
     @classmethod
     def from_path(cls, path: str | Path) -> HFChatTokenizer:
@@ -72,7 +82,8 @@ class HFChatTokenizer:
         return str(text)
 
     def encode_with_offsets(self, text: str, as_text: bool = False) -> tuple[list[int], list[int]]:
-        enc = self._tok(text, add_special_tokens=False, return_offsets_mapping=True, split_special_tokens=as_text)
+        with self._lock:
+            enc = self._tok(text, add_special_tokens=False, return_offsets_mapping=True, split_special_tokens=as_text)
         return list(enc["input_ids"]), [start for start, _ in enc["offset_mapping"]]
 
     @cached_property
@@ -81,7 +92,8 @@ class HFChatTokenizer:
         return frozenset(i for i, token in self._tok.added_tokens_decoder.items() if token.special)
 
     def encode(self, text: str) -> list[int]:
-        return list(self._tok(text, add_special_tokens=False)["input_ids"])
+        with self._lock:
+            return list(self._tok(text, add_special_tokens=False, split_special_tokens=False)["input_ids"])
 
     @cached_property
     def special_tokens(self) -> tuple[str, ...]:
@@ -97,7 +109,7 @@ class HFChatTokenizer:
         text = self._tok.apply_chat_template(
             list(views), tools=list(tools) if tools else None, tokenize=False, add_generation_prompt=True
         )
-        return len(self._tok(str(text), add_special_tokens=False)["input_ids"])
+        return len(self.encode(str(text)))
 
     @cached_property
     def _turn_parts(self) -> tuple[str, str, str]:

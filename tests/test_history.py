@@ -1,3 +1,5 @@
+import threading
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -102,3 +104,24 @@ def test_located_borders_equal_exact_prefix_rendering(tokenizer: HFChatTokenizer
     for i, start in enumerate(rendered.message_starts):
         prefix = len(tokenizer.render(views[:i]) if i else tokenizer.preamble(views[0]["role"]))
         assert start == sum(1 for o in offsets if o < prefix)
+
+
+def test_counting_beside_a_thread_that_encodes_special_tokens_as_text_counts_the_same(tokenizer) -> None:
+    """transformers keeps split_special_tokens as shared state of the Rust tokenizer: without a lock, a count made
+    while another thread encodes `as_text` splits the role markers into characters (a longer prompt)."""
+    text = tokenizer.render([{"role": "user", "content": "hi"}] * 50, add_generation_prompt=True)
+    expected = len(tokenizer.encode(text))
+    stop = threading.Event()
+
+    def as_text() -> None:
+        while not stop.is_set():
+            tokenizer.encode_with_offsets(text, as_text=True)
+
+    other = threading.Thread(target=as_text)
+    other.start()
+    try:
+        counts = {len(tokenizer.encode(text)) for _ in range(300)}
+    finally:
+        stop.set()
+        other.join()
+    assert counts == {expected}

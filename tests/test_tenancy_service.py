@@ -91,17 +91,21 @@ def test_a_tenant_knowing_anothers_session_gets_nothing_of_its_background_run(cl
 
 
 def test_a_tenants_background_runs_never_pass_its_own_cap_on_requests_at_once(client: httpx.Client) -> None:
-    """ "narrow" may have one request at once: while its first session's background run goes, a second session's
-    turn past the soft threshold starts none (that session compacts blocking at its threshold)."""
+    """The tenant "narrow" may have one request at once: a coordinator replica running one of its background runs
+    starts no other (that session compacts blocking at its threshold). Sessions hash to the service's two
+    coordinators, so of three sessions two share one: at most one run per coordinator, and a turn says why."""
     narrow, steps = auth(TENANT_KEYS["narrow"]), coding_history(16)
-    # Model summaries of a fixed length: on the CPU they cannot decode beside the agent's turns, so the first run
-    # is still going when the second turn arrives.
-    long = {"strategy": "parallel", "chunk_tokens": 256, "max_chunk_summary_tokens": 64, "fixed_output_tokens": True}
+    # Model summaries of a fixed length: on the CPU they cannot decode beside the agent's turns, so the first runs
+    # are still going when the later turns arrive.
+    long = {"strategy": "parallel", "chunk_tokens": 256, "max_chunk_summary_tokens": 256, "fixed_output_tokens": True}
     snapshot = [*steps[:41], {"role": "user", "content": "Keep going."}]  # ~1,010 tokens: past the soft threshold
-    first = turn(client, narrow, snapshot, f"narrow-{uuid.uuid4().hex[:8]}", **long, reuse_chunks=False)
-    second = turn(client, narrow, snapshot, f"narrow-{uuid.uuid4().hex[:8]}", **long, reuse_chunks=False)
-    assert first["status"] == "running", first
-    assert second["status"] == "none" and "has 1 running already" in second["note"], second
+    turns = [
+        turn(client, narrow, snapshot, f"narrow-{uuid.uuid4().hex[:8]}", **long, reuse_chunks=False) for _ in "abc"
+    ]
+    statuses = [t["status"] for t in turns]
+    assert turns[0]["status"] == "running" and statuses.count("running") <= 2, turns
+    refused = [t for t in turns if t["status"] == "none"]
+    assert refused and all("has 1 running already" in t["note"] for t in refused), turns
 
 
 def test_a_turn_with_other_options_gets_no_spliced_result(client: httpx.Client) -> None:

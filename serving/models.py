@@ -276,6 +276,8 @@ class ModelSpec(BaseModel):
             "deployment_config": deployment,
             "log_engine_metrics": True,
         }
+        if Path(config["model_loading_config"]["model_source"]).is_dir():
+            config["callback_config"] = {"callback_class": "serving.node_init.LocalWeights"}
         if self.device == "gpu":
             config["accelerator_type"] = self.accelerator_type
             config["placement_group_config"] = {

@@ -80,11 +80,14 @@ def play(first: list[str], then: Callable[[str], list[str]], home: Path, env: di
     return session
 
 
+# Codex compacts before a turn once the last one's total tokens reached the limit. Its first turn alone is about
+# 2,520 tokens and each later one adds 40-60 (answers of 10-30 tokens), so a limit just above the first turn was
+# met by turn three in some runs and only after turn four in others: 2,000 compacts before turn two every time.
 CODEX_CONFIG = """\
 model = "{model}"
 model_provider = "compaction"
 model_context_window = 8192
-model_auto_compact_token_limit = 2600
+model_auto_compact_token_limit = 2000
 model_instructions_file = "{instructions}"
 include_apps_instructions = false
 include_collaboration_mode_instructions = false

@@ -99,3 +99,33 @@ def test_the_local_service_exits_non_zero_once_its_port_is_gone_and_zero_when_st
     stopped = threading.Event()
     stopped.set()
     assert watch(gone, stopped, every_s=0.01) == 0
+
+
+@pytest.mark.parametrize(
+    ("source", "bundle_nodes", "runs"),
+    [("here", ["n1"], False), ("here", ["n1", "n2"], True), ("meta-llama/Llama-3.1-8B-Instruct", ["n1"], True)],
+)
+def test_node_initialisation_is_skipped_only_for_weights_already_on_the_replicas_node(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, source: str, bundle_nodes: list[str], runs: bool
+) -> None:
+    import asyncio
+    from types import SimpleNamespace
+
+    import ray
+
+    from serving.node_init import LocalWeights
+
+    folder = str(tmp_path) if source == "here" else source
+    config = SimpleNamespace(model_loading_config=SimpleNamespace(model_source=folder))
+    monkeypatch.setattr(ray, "get_runtime_context", lambda: SimpleNamespace(get_node_id=lambda: "n1"))
+    table = {"bundles_to_node_id": dict(enumerate(bundle_nodes))}
+    monkeypatch.setattr(ray.util, "placement_group_table", lambda group: table)
+    callback = LocalWeights(llm_config=config, ctx_kwargs={"placement_group": object()})  # type: ignore[arg-type]
+    asyncio.run(callback.on_before_node_init())
+    assert callback.ctx.run_init_node is runs
+    if source == "here":  # the catalogue names the callback only for a folder
+        spec = load_catalogue().get("smollm2-135m-instruct").model_copy(update={"source": folder})
+        assert spec.llm_config().callback_config.callback_class == "serving.node_init.LocalWeights"
+    else:
+        spec = load_catalogue().get("llama-3.1-8b-instruct")
+        assert spec.llm_config().callback_config.callback_class != "serving.node_init.LocalWeights"

@@ -18,8 +18,8 @@ from ray.llm._internal.common.callbacks.base import CallbackBase  # the hook LLM
 
 class LocalWeights(CallbackBase):
     async def on_before_node_init(self) -> None:
-        source = self.llm_config.model_loading_config.model_source
-        if not isinstance(source, str) or not Path(source).is_dir():
+        engine = self.llm_config.get_engine_config()
+        if engine is None or not Path(engine.actual_hf_model_id).is_dir():
             return
         here = ray.get_runtime_context().get_node_id()
         group = self.ctx.placement_group

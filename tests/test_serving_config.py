@@ -103,7 +103,7 @@ def test_the_local_service_exits_non_zero_once_its_port_is_gone_and_zero_when_st
 
 @pytest.mark.parametrize(
     ("source", "bundle_nodes", "runs"),
-    [("here", ["n1"], False), ("here", ["n1", "n2"], True), ("meta-llama/Llama-3.1-8B-Instruct", ["n1"], True)],
+    [("folder", ["n1"], False), ("folder", ["n1", "n2"], True), ("hub id", ["n1"], True)],
 )
 def test_node_initialisation_is_skipped_only_for_weights_already_on_the_replicas_node(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, source: str, bundle_nodes: list[str], runs: bool
@@ -115,17 +115,15 @@ def test_node_initialisation_is_skipped_only_for_weights_already_on_the_replicas
 
     from serving.node_init import LocalWeights
 
-    folder = str(tmp_path) if source == "here" else source
-    config = SimpleNamespace(model_loading_config=SimpleNamespace(model_source=folder))
+    if source == "folder":  # the catalogue names the callback for a folder only
+        config = load_catalogue().get("smollm2-135m-instruct").model_copy(update={"source": str(tmp_path)}).llm_config()
+        assert config.callback_config.callback_class == "serving.node_init.LocalWeights"
+    else:
+        config = load_catalogue().get("llama-3.1-8b-instruct").llm_config()
+        assert config.callback_config.callback_class != "serving.node_init.LocalWeights"
     monkeypatch.setattr(ray, "get_runtime_context", lambda: SimpleNamespace(get_node_id=lambda: "n1"))
     table = {"bundles_to_node_id": dict(enumerate(bundle_nodes))}
     monkeypatch.setattr(ray.util, "placement_group_table", lambda group: table)
-    callback = LocalWeights(llm_config=config, ctx_kwargs={"placement_group": object()})  # type: ignore[arg-type]
+    callback = LocalWeights(llm_config=config, ctx_kwargs={"placement_group": object()})
     asyncio.run(callback.on_before_node_init())
     assert callback.ctx.run_init_node is runs
-    if source == "here":  # the catalogue names the callback only for a folder
-        spec = load_catalogue().get("smollm2-135m-instruct").model_copy(update={"source": folder})
-        assert spec.llm_config().callback_config.callback_class == "serving.node_init.LocalWeights"
-    else:
-        spec = load_catalogue().get("llama-3.1-8b-instruct")
-        assert spec.llm_config().callback_config.callback_class != "serving.node_init.LocalWeights"

@@ -96,11 +96,13 @@ class PlanLimits:
         """The defaults: one engine's batch of chunks, HISTORY_WINDOWS windows of history."""
         return cls(max_chunks=sequences, max_history_tokens=HISTORY_WINDOWS * window)
 
-    def check_history(self, tokens: int) -> None:
+    def check_history(self, tokens: int, at_least: bool = False) -> None:
+        """Refuse a history of `tokens` (`at_least`: a lower bound, compaction.render.token_floor) over the cap."""
         if tokens > self.max_history_tokens:
             raise OverLimit(
                 "messages",
-                f"the history renders to {tokens} tokens, over this model's max_history_tokens of "
+                f"the history renders to {'at least ' if at_least else ''}{tokens} tokens, over this model's "
+                f"max_history_tokens of "
                 f"{self.max_history_tokens}; compact a shorter history (compact earlier, or send only the part "
                 "to summarise), or use a model with a larger window",
             )

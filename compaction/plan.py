@@ -16,11 +16,11 @@ from compaction.checks.sources import ChunkSources
 from compaction.checks.validity import check_history, turn_start
 from compaction.chunk_cache import ChunkCache, scope_of
 from compaction.errors import ContextOverflow, InvalidInput, NothingToCompact
-from compaction.history import Message, parse_messages
+from compaction.history import Message, parse_messages, template_view
 from compaction.layouts import ChunkPrompt, lay_out
 from compaction.options import CompactionOptions
 from compaction.partition import Chunk, PlanLimits, partition
-from compaction.render import RenderedHistory, render_history
+from compaction.render import RenderedHistory, render_history, token_floor
 from compaction.tokenizer import ChatTokenizer
 
 SUMMARY_HEADER = "Summary of the earlier conversation (compacted):"
@@ -71,6 +71,8 @@ class Planner:
         opts = CompactionOptions.parse(options)
         parsed = parse_messages(messages)
         check_history(parsed)
+        if self.limits is not None:  # refused before rendering when it cannot fit (rendering one takes seconds)
+            self.limits.check_history(token_floor([template_view(m) for m in parsed], self.tokenizer), at_least=True)
         history = render_history(parsed, self.tokenizer)
         if self.limits is not None:
             self.limits.check_history(len(history.token_ids))

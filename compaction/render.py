@@ -20,9 +20,12 @@ content spans follow without guessing (templates that trim content are handled t
 from __future__ import annotations
 
 import bisect
+import itertools
 import re
-from collections.abc import Sequence
+import weakref
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from compaction.errors import InvalidInput
 from compaction.history import Message, template_view
@@ -34,6 +37,61 @@ _SENTINEL = re.compile("\ue000(\\d+)\ue001")
 
 def _sentinel(i: int) -> str:
     return f"\ue000{i}\ue001"
+
+
+@dataclass(frozen=True)
+class _Floor:
+    markers: Mapping[str, int]  # role -> control tokens the template marks each turn of that role with
+    verbatim: frozenset[str]  # roles whose content the template writes out as it is
+
+
+_FLOORS: weakref.WeakKeyDictionary[Any, _Floor] = weakref.WeakKeyDictionary()
+_MARK = "\ue000floor\ue001"
+
+
+def token_floor(views: Sequence[Mapping[str, Any]], tokenizer: ChatTokenizer) -> int:
+    """At least this many tokens: what `views` render to, bounded from below without rendering them, so a
+    history that cannot fit is refused before the seconds its rendering and counting would take. Each turn
+    adds the control tokens the template marks a turn of its role with (a tokenizer splits text at those
+    first, so they never merge with content), and content the template writes out takes a token per
+    `max_token_chars` of its non-blank characters or more (a template may trim blanks)."""
+    floor = _FLOORS.get(tokenizer)
+    if floor is None:
+        floor = _FLOORS.setdefault(tokenizer, _probe_floor(tokenizer))
+    per, total = tokenizer.max_token_chars, 0
+    for view in views:
+        role, content = view.get("role"), view.get("content")
+        total += floor.markers.get(role, 0) if isinstance(role, str) else 0
+        if role in floor.verbatim and isinstance(content, str):
+            total += -(-sum(map(len, content.split())) // per)
+    return total
+
+
+def _probe_floor(tokenizer: ChatTokenizer) -> _Floor:
+    """Per role, the control tokens one more turn adds after a turn of another role (and as many again for a
+    second one in a row: a template that merges turns of a role gets no floor for it), and whether its
+    content is written out. A role the template refuses at that place gets no floor."""
+    markers: dict[str, int] = {}
+    verbatim = set()
+    for role in ("system", "user", "assistant", "tool"):
+        before = [{"role": "user", "content": "a"}] + (
+            [{"role": "assistant", "content": "b"}] if role != "assistant" else []
+        )
+        turn = {"role": role, "content": _MARK}
+        try:
+            texts = [tokenizer.render([*before, *[turn] * n]) for n in range(3)]
+        except Exception:  # a template raises what it likes for a role it refuses
+            continue
+        if not (texts[1].startswith(texts[0]) and texts[2].startswith(texts[1])):
+            continue
+        added = [
+            sum(i in tokenizer.control_token_ids for i in tokenizer.encode(later[len(earlier) :]))
+            for earlier, later in itertools.pairwise(texts)
+        ]
+        markers[role] = min(added)
+        if all(later[len(earlier) :].count(_MARK) == 1 for earlier, later in itertools.pairwise(texts)):
+            verbatim.add(role)
+    return _Floor(markers, frozenset(verbatim))
 
 
 def _unsupported(why: str) -> InvalidInput:

@@ -37,6 +37,12 @@ class ChatTokenizer(Protocol):
         """Text the template writes before the first message's own turn when it has this role."""
         ...
 
+    @property
+    def max_token_chars(self) -> int:
+        """The most characters one token of the vocabulary spells (a text of c characters takes at least
+        c / max_token_chars tokens)."""
+        ...
+
     def encode(self, text: str) -> list[int]: ...
 
     def decode(self, token_ids: Sequence[int]) -> str: ...
@@ -90,6 +96,12 @@ class HFChatTokenizer:
     def control_token_ids(self) -> frozenset[int]:
         """The special added tokens: the tokenizer parses their spelling out of any text unless told not to."""
         return frozenset(i for i, token in self._tok.added_tokens_decoder.items() if token.special)
+
+    @cached_property
+    def max_token_chars(self) -> int:
+        """The longest vocabulary entry as the tokenizer spells it: one symbol per byte for byte-level BPE,
+        "<0x41>" for a byte fallback, never fewer than the characters the token stands for."""
+        return max(len(token) for token in self._tok.get_vocab())
 
     def encode(self, text: str) -> list[int]:
         with self._lock:

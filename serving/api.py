@@ -33,6 +33,7 @@ from compaction.errors import (
 from compaction.history import Message, parse_messages
 from compaction.options import CompactionOptions
 from compaction.pacing import Priority
+from compaction.partition import PlanLimits
 from compaction.tokenizer import HFChatTokenizer
 from serving.coordinator import CompactJob, ServiceResult
 from serving.coordinator_calls import Suspects, call_coordinator
@@ -133,6 +134,7 @@ class CompactionIngress(OpenAiIngress):
         allow_unauthenticated: bool = False,
         default_compaction: dict[str, dict[str, Any]] | None = None,
         reply_budgets: dict[str, int] | None = None,
+        history_limits: dict[str, PlanLimits] | None = None,
     ) -> None:
         if tenancy is not None:  # here, in the ingress's process: its environment holds the keys
             check_exposure(KeyTable(read_keys(tenancy)), http_host(), allow_unauthenticated, tenancy)
@@ -143,6 +145,7 @@ class CompactionIngress(OpenAiIngress):
         self._aliases = aliases or {}
         self._defaults = default_compaction or {}  # model -> the compaction entry of turns that send none
         self._reply_budgets = reply_budgets or {}  # model -> max_tokens of a turn that sets none
+        self._limits = history_limits or {}  # model -> its caps on what one compaction takes
         self._tokenizers: dict[str, HFChatTokenizer] = {}
         self._counters: dict[tuple[str, str], PromptCounter] = {}  # (tenant, model) -> its sessions' counts
         self._suspects = Suspects()  # jobs coordinators died running (serving.coordinator_calls)
@@ -212,7 +215,8 @@ class CompactionIngress(OpenAiIngress):
             tenant=tenant.id,
             cache_salt=tenant.cache_salt,
         )
-        return responses_answer.compacted(await self._compact(job), call)
+        with call.naming_fields():
+            return responses_answer.compacted(await self._compact(job), call)
 
     async def messages(self, body: MessagesRequest, request: Request) -> Response:
         """Anthropic Messages over the chat path, the compaction beta and context edits included (see
@@ -268,12 +272,18 @@ class CompactionIngress(OpenAiIngress):
         window = self._window(model)
         tenant = tenant_of(request)
         counter = self._counter(model, tenant)
-        try:
+        with call.naming_fields():
             return await prepare_turn(
-                call.body, call.session, counter, window, self._turn, wire, tenant, force=call.compact_now
+                call.body,
+                call.session,
+                counter,
+                window,
+                self._turn,
+                wire,
+                tenant,
+                force=call.compact_now,
+                limits=self._limits.get(model),
             )
-        except InvalidInput as exc:  # named as the caller's format names the field
-            raise type(exc)(call.wire_field(exc.field), exc.message) from exc
 
     async def _answer(self, forward: dict[str, Any], call: ChatCall, request: Request) -> Response:
         """ray.serve.llm's chat completion of `forward` within the model window (serving.turns.fit), on the

@@ -348,4 +348,5 @@ def build_app(args: dict[str, Any]) -> Application:
         allow_unauthenticated=opts.allow_unauthenticated,
         default_compaction=dict(opts.default_compaction),
         reply_budgets={s.name: s.default_max_tokens for s in specs if s.default_max_tokens is not None},
+        history_limits={spec.name: spec.plan_limits() for spec in specs},
     )

@@ -31,6 +31,8 @@ from compaction.bounded import BoundedLRU
 from compaction.context_edits import Edit, apply_edits
 from compaction.errors import InvalidInput, PromptTooLong
 from compaction.history import Message, chat_view, parse_messages, template_view
+from compaction.partition import PlanLimits
+from compaction.render import token_floor
 from compaction.tokenizer import ChatTokenizer
 from compaction.turn_policy import (
     ContextManagement,
@@ -213,7 +215,7 @@ def _views(raw: Any) -> list[dict[str, Any]] | None:
 
 
 def fit(
-    forward: dict[str, Any], tokenizer: PromptRenderer, window: int, default_reply: int | None = None
+    forward: dict[str, Any], tokenizer: TurnTokenizer, window: int, default_reply: int | None = None
 ) -> dict[str, Any]:
     """The chat request within the model window: PromptTooLong when its prompt passes it (worded as agents
     read it to compact), a reply budget (max_tokens) past the room left cut to that room, and `default_reply`
@@ -222,6 +224,9 @@ def fit(
     views = _views(forward.get("messages"))
     if views is None:
         return forward
+    floor = token_floor(views, tokenizer)  # no seconds spent counting a prompt that cannot fit
+    if floor >= window:
+        raise PromptTooLong(floor, window)
     tokens = tokenizer.chat_prompt_tokens(views, forward.get("tools"))
     if tokens >= window:
         raise PromptTooLong(tokens, window)
@@ -277,9 +282,14 @@ def needs_coordinator(
 CoordinatorCall = Callable[[ChatTurn], Awaitable[TurnCompaction]]
 
 
-def counted(raw: list[Any], tools: Any, counter: PromptCounter, session: str | None) -> tuple[list[Message], int, int]:
-    """The turn's messages, its tool list's tokens and its prompt's tokens (tools included)."""
+def counted(
+    raw: list[Any], tools: Any, counter: PromptCounter, session: str | None, limits: PlanLimits | None = None
+) -> tuple[list[Message], int, int]:
+    """The turn's messages, its tool list's tokens and its prompt's tokens (tools included). `limits`: the
+    model's caps, when the turn may be compacted: a history that cannot fit them is refused before counting."""
     messages = parse_messages(raw)
+    if limits is not None:
+        limits.check_history(token_floor([template_view(m) for m in messages], counter.tokenizer), at_least=True)
     tool_tokens = counter.tool_tokens(tools)
     return messages, tool_tokens, counter.count(messages, session) + tool_tokens
 
@@ -293,11 +303,12 @@ async def prepare_turn(
     wire: Wire = "chat",
     tenant: Tenant = ANONYMOUS,
     force: bool = False,
+    limits: PlanLimits | None = None,
 ) -> tuple[dict[str, Any], TurnCompaction | None]:
     """The request to forward to the model (context_management removed, maybe compacted) and the outcome.
     `wire`: the API format the turn arrived in (a translated Responses or Messages request is a chat body);
     `tenant`: who sent it (`counter` is that tenant's); `force`: compact now whatever the thresholds say (with
-    the request's entry, else one for this window)."""
+    the request's entry, else one for this window); `limits`: the model's caps on what a compaction takes."""
     entry = parse_context_management(body.get(FIELD))
     forward = {k: v for k, v in body.items() if k != FIELD}
     if entry is None and force:
@@ -310,7 +321,7 @@ async def prepare_turn(
     if not isinstance(raw, list) or not raw:
         raise InvalidInput("messages", "send a non-empty list of chat messages")
     # Parsing and counting a long history takes a while: off the event loop, which other requests share.
-    messages, tools, tokens = await asyncio.to_thread(counted, raw, body.get("tools"), counter, session)
+    messages, tools, tokens = await asyncio.to_thread(counted, raw, body.get("tools"), counter, session, limits)
     growth = counter.growth(session, tokens)
     idle = counter.arrived(session)
     if not needs_coordinator(tokens, entry, session, growth, force):

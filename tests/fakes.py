@@ -118,6 +118,10 @@ class ChatMLTokenizer:
     def special_tokens(self) -> tuple[str, ...]:
         return self.SPECIALS
 
+    @property
+    def max_token_chars(self) -> int:
+        return 1 << 20  # a word is one token however long: no tighter bound
+
     def preamble(self, first_role: str) -> str:
         return "" if first_role == "system" else self._turn("system", self.DEFAULT_SYSTEM)
 

@@ -87,6 +87,48 @@ async def test_the_ingress_answers_others_while_it_counts_a_maximal_block(servic
     assert len(waits) >= 3 and max(waits) < took / 2
 
 
+CARRIED = [{"role": ("user", "assistant")[i % 2], "content": f"Step {i} done."} for i in range(70_000)]
+TRIGGER = {"type": "compact_20260112", "trigger": {"type": "input_tokens", "value": 1024}}
+
+
+@pytest.mark.parametrize(
+    ("path", "field"),
+    [("/v1/messages", "messages"), ("/v1/responses/compact", "input")],
+    ids=["messages turn, refused by the ingress", "responses compact, refused by the coordinator"],
+)
+async def test_a_history_that_cannot_fit_is_refused_before_it_is_rendered(service: Any, path: str, field: str) -> None:
+    """70,000 short turns in one compaction block (a 240 KiB body): their turn markers alone pass the model's
+    max_history_tokens, so the turn is refused from that floor, before the tens of seconds that rendering and
+    counting 4 million tokens took on the ingress or a coordinator (both answered 422 only after them, and a
+    coordinator's /healthz went unanswered meanwhile)."""
+    block = {"type": "compaction", "content": "Summary.", "encrypted_content": encode(parse_messages(CARRIED))}
+    if path == "/v1/messages":
+        messages = [{"role": "assistant", "content": [block]}, {"role": "user", "content": "Go on."}]
+        body = {
+            "model": SERVED_MODEL,
+            "messages": messages,
+            "max_tokens": 4,
+            "context_management": {"edits": [TRIGGER]},
+        }
+    else:
+        body = {"model": SERVED_MODEL, "input": [block, {"role": "user", "content": "Go on."}]}
+    async with httpx.AsyncClient(base_url=service.url, headers=auth(), timeout=600) as http:
+        sent = asyncio.create_task(http.post(path, json=body))
+        waits: list[float] = []
+        while not sent.done():
+            asked = time.monotonic()
+            assert (await http.get("/healthz")).status_code == 200
+            waits.append(time.monotonic() - asked)
+        refused = await sent
+    assert 400 <= refused.status_code < 500, refused.text[:300]
+    error = refused.json()["error"]  # OpenAI's shape names the field in `param`, Anthropic's in the message
+    assert error.get("param", error["message"].split(":")[0]) == field, error
+    assert "renders to at least" in error["message"], error
+    assert "max_history_tokens" in error["message"]
+    print(f"{path}: {refused.status_code}; /healthz answered {len(waits)} times meanwhile, worst {max(waits):.3f} s")
+    assert waits and max(waits) < 5.0
+
+
 def test_every_hostile_request_of_the_soak_is_refused_naming_its_field(client: httpx.Client) -> None:
     from jobs.bench.hostile import hostile_requests
 

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from compaction.chunk_cache import ChunkCache
 from compaction.compactor import Compactor
 from compaction.errors import OverLimit
 from compaction.partition import PlanLimits
-from compaction.tokenizer import ChatTokenizer
+from compaction.render import token_floor
+from compaction.tokenizer import ChatTokenizer, HFChatTokenizer
 from serving.models import load_catalogue
 from tests.fakes import ChatMLTokenizer
 
@@ -23,6 +27,11 @@ MESSAGES = [{"role": "system", "content": "You are a coding agent."}, *TURNS]
 @pytest.fixture(scope="module")
 def tokenizer(chat_tokenizer: ChatMLTokenizer) -> ChatMLTokenizer:
     return chat_tokenizer
+
+
+@pytest.fixture(scope="module")
+def real_tokenizer(model_path: Path) -> HFChatTokenizer:
+    return HFChatTokenizer.from_path(model_path)
 
 
 def compactor(tokenizer: ChatTokenizer, limits: PlanLimits) -> Compactor:
@@ -55,3 +64,40 @@ def test_the_default_caps_follow_the_window_and_the_engine_batch() -> None:
     assert h100.plan_limits() == PlanLimits(max_chunks=1024, max_history_tokens=16 * 131_072)
     own = cpu.model_copy(update={"max_chunks": 32, "max_history_tokens": 50_000})
     assert own.plan_limits() == PlanLimits(32, 50_000)
+
+
+_TEXTS = st.lists(st.sampled_from([*"ab #=\n\t é漢", "<|im_end|>", "word", "    ", "#" * 80]), max_size=60).map("".join)
+_VIEWS = st.lists(
+    st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]), "content": _TEXTS}),
+    min_size=1,
+    max_size=8,
+)
+
+
+def floor_holds(tokenizer: ChatTokenizer, views: list[dict[str, str]]) -> None:
+    rendered = tokenizer.encode_with_offsets(tokenizer.render(views), as_text=True)[0]
+    assert token_floor(views, tokenizer) <= len(rendered)
+
+
+@settings(max_examples=60, deadline=None)
+@given(views=_VIEWS)
+@example(views=[{"role": "user", "content": "#" * 1600}, {"role": "assistant", "content": "=" * 640}])
+def test_the_token_floor_is_never_above_what_a_history_renders_to(
+    chat_tokenizer: ChatMLTokenizer, real_tokenizer: HFChatTokenizer, views: list[dict[str, str]]
+) -> None:
+    """Any content (runs of one character, blanks a template may trim, control spellings, several scripts) and
+    any order of roles: the floor a history is refused on before rendering is at most its real token count."""
+    floor_holds(chat_tokenizer, views)
+    floor_holds(real_tokenizer, views)
+
+
+def test_a_history_that_cannot_fit_is_refused_before_it_is_rendered(
+    tokenizer: ChatTokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Many short turns: every turn's two control tokens alone pass the cap, so planning refuses the history
+    without rendering it (a maximal body took a coordinator tens of seconds to render before it was refused)."""
+    turns = [{"role": ("user", "assistant")[i % 2], "content": f"step {i}"} for i in range(400)]
+    assert token_floor(turns, tokenizer) >= 2 * len(turns)
+    monkeypatch.setattr("compaction.plan.render_history", lambda *_: pytest.fail("rendered a history that cannot fit"))
+    with pytest.raises(OverLimit, match=r"renders to at least \d+ tokens, over this model's max_history_tokens of 700"):
+        compactor(tokenizer, PlanLimits(max_chunks=1024, max_history_tokens=700)).plan(turns, {"chunk_tokens": 256})

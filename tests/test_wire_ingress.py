@@ -14,6 +14,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from compaction.errors import InvalidInput
+from compaction.partition import PlanLimits
 from compaction.tokenizer import ChatTokenizer
 from serving.api import CompactionIngress
 from serving.coordinator import CompactJob, ServiceResult
@@ -46,6 +47,7 @@ class Ingress(CompactionIngress):
         self._aliases = {ALIAS: MODEL}
         self._defaults: dict[str, dict[str, Any]] = {}
         self._reply_budgets: dict[str, int] = {}
+        self._limits = {MODEL: PlanLimits.for_window(WINDOW, 256)}
         self._tokenizers = {MODEL: tokenizer}
         self._counters = {(DEFAULT_TENANT, MODEL): self.path.counter}
         self.turns: list[ChatTurn] = []

@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import hashlib
 import json
 import zlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,8 +58,17 @@ class ChatCall:
             return self.session_field
         for chat, ours in self.fields.items():
             if name == chat or name.startswith((f"{chat}.", f"{chat}[")):
-                return ours + name[len(chat) :]
+                # Responses items are not one chat message each: an index into the messages names no item.
+                return ours if self.wire == "responses" else ours + name[len(chat) :]
         return name
+
+    @contextlib.contextmanager
+    def naming_fields(self) -> Iterator[None]:
+        """Caller errors raised inside name their field as this format names it (chat's `messages` is `input`)."""
+        try:
+            yield
+        except InvalidInput as exc:
+            raise type(exc)(self.wire_field(exc.field), exc.message) from exc
 
     def carried(self, forwarded: Sequence[dict[str, Any]]) -> list[Message]:
         """What a compaction item carries: the chat messages the model was sent, minus that system message."""

@@ -113,6 +113,9 @@ class CompactResponsesRequest(CompactionOptions):
     keep_current_turn: bool = Field(True, description="The last user message and everything after it stay verbatim.")
 
 
+INPUT = {"messages": "input"}  # the chat messages come from `input` (an index into them names no item)
+
+
 def to_chat(request: ResponsesRequest, header_session: str | None) -> ChatCall:
     """The chat completion body of a Responses request. Raises InvalidInput naming the field."""
     stored = {"previous_response_id": request.previous_response_id, "conversation": request.conversation}
@@ -156,8 +159,9 @@ def to_chat(request: ResponsesRequest, header_session: str | None) -> ChatCall:
         "prompt_cache_key": request.prompt_cache_key,
     }
     return ChatCall(
-        body, session, field, bool(system), echo, namespaces=namespaces, compact_now=compact_now, wire="responses"
-    )
+        body, session, field, bool(system), echo, fields=INPUT, namespaces=namespaces, compact_now=compact_now,
+        wire="responses",
+    )  # fmt: skip
 
 
 def _tools(raw: list[dict[str, Any]]) -> tuple[list[FunctionTool], dict[str, str]]:
@@ -194,7 +198,7 @@ def compact_call(request: CompactResponsesRequest, header_session: str | None) -
     system = [{"role": "system", "content": request.instructions}] if request.instructions else []
     session, field = session_of(header_session, request.prompt_cache_key, "prompt_cache_key")
     body = {"model": request.model, "messages": system + input_messages(request.input)[0]}
-    return ChatCall(body, session, field, bool(system), {"model": request.model})
+    return ChatCall(body, session, field, bool(system), {"model": request.model}, fields=INPUT, wire="responses")
 
 
 def input_messages(items: str | list[Any], trigger_allowed: bool = False) -> tuple[list[dict[str, Any]], bool]:

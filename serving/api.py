@@ -53,7 +53,17 @@ from serving.tenants import (
     tenant_of,
 )
 from serving.turns import FIELD as CONTEXT_MANAGEMENT
-from serving.turns import ChatTurn, PromptCounter, TurnCompaction, Wire, counted, edited, fit, prepare_turn
+from serving.turns import (
+    ChatTurn,
+    PromptCounter,
+    TurnCompaction,
+    Wire,
+    check_fits,
+    counted,
+    edited,
+    fit,
+    prepare_turn,
+)
 from serving.wire import messages as wire_messages
 from serving.wire import messages_answer, responses_answer
 from serving.wire import responses as wire_responses
@@ -161,6 +171,9 @@ class CompactionIngress(OpenAiIngress):
         return await super().completions(body.model_copy(update={"cache_salt": salt}), _for_replica(request))
 
     async def _compact(self, job: CompactJob) -> ServiceResult:
+        limits = self._limits.get(job.model)
+        if limits is not None:  # a history that cannot fit is refused here, not sent on (serving.turns.check_fits)
+            await asyncio.to_thread(check_fits, job.messages, self._tokenizer(job.model), limits)
         # The coordinator enforces timeout_s per attempt; this bounds the whole call, retries on another
         # coordinator included (a small grace lets the coordinator's own 504 arrive first).
         try:
@@ -240,8 +253,11 @@ class CompactionIngress(OpenAiIngress):
     async def count_tokens(self, body: CountTokensRequest, request: Request) -> dict[str, int]:
         """Tokens of the prompt the model would see for this request, by its chat template."""
         call = self._served(await asyncio.to_thread(wire_messages.to_chat, body, None))
-        counter = self._counter(str(call.body["model"]), tenant_of(request))
-        _, _, tokens = await asyncio.to_thread(counted, call.body["messages"], call.body.get("tools"), counter, None)
+        model = str(call.body["model"])
+        counter, limits = self._counter(model, tenant_of(request)), self._limits.get(model)
+        raw, tools = call.body["messages"], call.body.get("tools")
+        with call.naming_fields():  # a prompt no model call could take is not counted to the end
+            _, _, tokens = await asyncio.to_thread(counted, raw, tools, counter, None, limits)
         return {"input_tokens": tokens}
 
     def _served(self, call: ChatCall) -> ChatCall:

@@ -282,6 +282,12 @@ def needs_coordinator(
 CoordinatorCall = Callable[[ChatTurn], Awaitable[TurnCompaction]]
 
 
+def check_fits(messages: Sequence[Message], tokenizer: ChatTokenizer, limits: PlanLimits) -> None:
+    """OverLimit when the messages render to more than the model's max_history_tokens, known from their floor
+    (compaction.render.token_floor) without the seconds that rendering a huge history takes."""
+    limits.check_history(token_floor([template_view(m) for m in messages], tokenizer), at_least=True)
+
+
 def counted(
     raw: list[Any], tools: Any, counter: PromptCounter, session: str | None, limits: PlanLimits | None = None
 ) -> tuple[list[Message], int, int]:
@@ -289,7 +295,7 @@ def counted(
     model's caps, when the turn may be compacted: a history that cannot fit them is refused before counting."""
     messages = parse_messages(raw)
     if limits is not None:
-        limits.check_history(token_floor([template_view(m) for m in messages], counter.tokenizer), at_least=True)
+        check_fits(messages, counter.tokenizer, limits)
     tool_tokens = counter.tool_tokens(tools)
     return messages, tool_tokens, counter.count(messages, session) + tool_tokens
 

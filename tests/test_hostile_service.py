@@ -93,23 +93,21 @@ TRIGGER = {"type": "compact_20260112", "trigger": {"type": "input_tokens", "valu
 
 @pytest.mark.parametrize(
     ("path", "field"),
-    [("/v1/messages", "messages"), ("/v1/responses/compact", "input")],
-    ids=["messages turn, refused by the ingress", "responses compact, refused by the coordinator"],
+    [("/v1/messages", "messages"), ("/v1/messages/count_tokens", "messages"), ("/v1/responses/compact", "input")],
+    ids=["messages turn", "count_tokens", "responses compact"],
 )
 async def test_a_history_that_cannot_fit_is_refused_before_it_is_rendered(service: Any, path: str, field: str) -> None:
     """70,000 short turns in one compaction block (a 240 KiB body): their turn markers alone pass the model's
-    max_history_tokens, so the turn is refused from that floor, before the tens of seconds that rendering and
-    counting 4 million tokens took on the ingress or a coordinator (both answered 422 only after them, and a
-    coordinator's /healthz went unanswered meanwhile)."""
+    max_history_tokens, so the request is refused from that floor at the ingress, before the tens of seconds
+    that rendering and counting them took on the ingress and then on a coordinator (the 422 came only after
+    them, and /healthz, which asks a coordinator, went unanswered meanwhile)."""
     block = {"type": "compaction", "content": "Summary.", "encrypted_content": encode(parse_messages(CARRIED))}
+    messages = [{"role": "assistant", "content": [block]}, {"role": "user", "content": "Go on."}]
     if path == "/v1/messages":
-        messages = [{"role": "assistant", "content": [block]}, {"role": "user", "content": "Go on."}]
-        body = {
-            "model": SERVED_MODEL,
-            "messages": messages,
-            "max_tokens": 4,
-            "context_management": {"edits": [TRIGGER]},
-        }
+        turn = {"max_tokens": 4, "context_management": {"edits": [TRIGGER]}}
+        body = {"model": SERVED_MODEL, "messages": messages, **turn}
+    elif path == "/v1/messages/count_tokens":
+        body = {"model": SERVED_MODEL, "messages": messages}
     else:
         body = {"model": SERVED_MODEL, "input": [block, {"role": "user", "content": "Go on."}]}
     async with httpx.AsyncClient(base_url=service.url, headers=auth(), timeout=600) as http:

@@ -52,18 +52,24 @@ def test_the_simulator_matches_the_real_service_per_policy(
 
     async def run() -> Any:
         async with httpx.AsyncClient(base_url=service.url, headers=auth(), timeout=900) as client:
+            profiles: list[Any] = []  # calibrated once: the latency bound is loose enough for the machine's drift
 
             async def profile() -> Any:
-                return await calibrate(
-                    OpenAIBackend(service.url, MODEL, client=client),
-                    calibration_prompt(tokenizer, history, 768),
-                    model_path=model_path,
-                    block_size=spec.block_size,
-                    kv_tokens=cpu_kv_tokens(spec.kv_cache_gib, model_path),
-                    where=service.url,
-                    decode_tokens=24,
-                    host_parallelism=spec.host_parallelism(len(os.sched_getaffinity(0)), replicas=2),
+                if profiles:
+                    return profiles[0]
+                profiles.append(
+                    await calibrate(
+                        OpenAIBackend(service.url, MODEL, client=client),
+                        calibration_prompt(tokenizer, history, 768),
+                        model_path=model_path,
+                        block_size=spec.block_size,
+                        kv_tokens=cpu_kv_tokens(spec.kv_cache_gib, model_path),
+                        where=service.url,
+                        decode_tokens=24,
+                        host_parallelism=spec.host_parallelism(len(os.sched_getaffinity(0)), replicas=2),
+                    )
                 )
+                return profiles[0]
 
             return await validate(client, tokenizer, workload, profile, reset, policies=("pinned", "round_robin"))
 

@@ -54,23 +54,30 @@ def token_floor(views: Sequence[Mapping[str, Any]], tokenizer: ChatTokenizer) ->
     history that cannot fit is refused before the seconds its rendering and counting would take. Each turn
     adds the control tokens the template marks a turn of its role with (a tokenizer splits text at those
     first, so they never merge with content), and content the template writes out takes a token per
-    `max_token_chars` of its non-blank characters or more (a template may trim blanks)."""
+    `max_token_chars` of its non-blank characters or more (a template may trim blanks): each turn's own
+    when control tokens enclose it, together for turns a template merges."""
     floor = _FLOORS.get(tokenizer)
     if floor is None:
         floor = _FLOORS.setdefault(tokenizer, _probe_floor(tokenizer))
-    per, total = tokenizer.max_token_chars, 0
+    per, total, loose = tokenizer.max_token_chars, 0, 0
     for view in views:
         role, content = view.get("role"), view.get("content")
-        total += floor.markers.get(role, 0) if isinstance(role, str) else 0
+        marked = floor.markers.get(role, 0) if isinstance(role, str) else 0
+        total += marked
         if role in floor.verbatim and isinstance(content, str):
-            total += -(-sum(map(len, content.split())) // per)
-    return total
+            chars = sum(map(len, content.split()))
+            if marked:  # its own stretch between control tokens: no token spans two contents
+                total += -(-chars // per)
+            else:
+                loose += chars
+    return total + loose // per
 
 
 def _probe_floor(tokenizer: ChatTokenizer) -> _Floor:
-    """Per role, the control tokens one more turn adds after a turn of another role (and as many again for a
-    second one in a row: a template that merges turns of a role gets no floor for it), and whether its
-    content is written out. A role the template refuses at that place gets no floor."""
+    """Per role, whether one turn's content is written out once (also when the template merges turns of the
+    role, as Qwen-style templates do with tool results), and the control tokens one more turn adds after a
+    turn of another role and again after one of its own (none when a second turn rewrites the first's end:
+    merged). A role the template refuses at that place gets no floor."""
     markers: dict[str, int] = {}
     verbatim = set()
     for role in ("system", "user", "assistant", "tool"):
@@ -82,15 +89,14 @@ def _probe_floor(tokenizer: ChatTokenizer) -> _Floor:
             texts = [tokenizer.render([*before, *[turn] * n]) for n in range(3)]
         except Exception:  # a template raises what it likes for a role it refuses
             continue
-        if not (texts[1].startswith(texts[0]) and texts[2].startswith(texts[1])):
-            continue
-        added = [
-            sum(i in tokenizer.control_token_ids for i in tokenizer.encode(later[len(earlier) :]))
-            for earlier, later in itertools.pairwise(texts)
-        ]
-        markers[role] = min(added)
-        if all(later[len(earlier) :].count(_MARK) == 1 for earlier, later in itertools.pairwise(texts)):
-            verbatim.add(role)
+        if all(text.count(_MARK) == n for n, text in enumerate(texts)):
+            verbatim.add(role)  # each turn's content written out once, merged into one turn or not
+        if texts[1].startswith(texts[0]) and texts[2].startswith(texts[1]):
+            added = [
+                sum(i in tokenizer.control_token_ids for i in tokenizer.encode(later[len(earlier) :]))
+                for earlier, later in itertools.pairwise(texts)
+            ]
+            markers[role] = min(added)
     return _Floor(markers, frozenset(verbatim))
 
 

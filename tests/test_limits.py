@@ -68,7 +68,7 @@ def test_the_default_caps_follow_the_window_and_the_engine_batch() -> None:
 
 _TEXTS = st.lists(st.sampled_from([*"ab #=\n\t é漢", "<|im_end|>", "word", "    ", "#" * 80]), max_size=60).map("".join)
 _VIEWS = st.lists(
-    st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]), "content": _TEXTS}),
+    st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant", "tool"]), "content": _TEXTS}),
     min_size=1,
     max_size=8,
 )

@@ -32,8 +32,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """Tests that start their own engine in another process run first, before the session's engine and
     service hold memory (four float32 engines and two Ray clusters at once pass 24 GiB); tests that
     damage the shared service (killing replicas or the coordinator) run after all others. A test that
-    needs the CPU default model's files (its real tokenizer, its engine) is marked `model`:
-    `pytest -m "not model"` runs the rest on a clone where the model was never fetched."""
+    needs the CPU default model's files (its real tokenizer) is marked `model`; real-engine and real-service tests
+    are marked `engine` or `ray`: `pytest -m "not (model or engine or ray)"` runs the rest on a clone where the
+    model was never fetched."""
     for item in items:
         if "model_path" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.model)

@@ -60,9 +60,11 @@ def token_floor(views: Sequence[Mapping[str, Any]], tokenizer: ChatTokenizer) ->
     if floor is None:
         floor = _FLOORS.setdefault(tokenizer, _probe_floor(tokenizer))
     per, total, loose = tokenizer.max_token_chars, 0, 0
-    for view in views:
+    for i, view in enumerate(views):
         role, content = view.get("role"), view.get("content")
-        marked = floor.markers.get(role, 0) if isinstance(role, str) else 0
+        # a template may fold the first turn into a header it writes anyway (Llama's system turn, Mistral's
+        # system text in the first user turn): its markers are not counted
+        marked = floor.markers.get(role, 0) if i and isinstance(role, str) else 0
         total += marked
         if role in floor.verbatim and isinstance(content, str):
             chars = sum(map(len, content.split()))

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import example, given, settings
@@ -13,7 +15,7 @@ from compaction.chunk_cache import ChunkCache
 from compaction.compactor import Compactor
 from compaction.errors import OverLimit
 from compaction.partition import PlanLimits
-from compaction.render import token_floor
+from compaction.render import content_spans, encode_rendering, token_floor
 from compaction.tokenizer import ChatTokenizer, HFChatTokenizer
 from serving.models import load_catalogue
 from tests.fakes import ChatMLTokenizer
@@ -75,7 +77,10 @@ _VIEWS = st.lists(
 
 
 def floor_holds(tokenizer: ChatTokenizer, views: list[dict[str, str]]) -> None:
-    rendered = tokenizer.encode_with_offsets(tokenizer.render(views), as_text=True)[0]
+    """The floor is at most the tokens the history renders to: the template's control tokens parsed, the content
+    tokenised as text (`render_history`'s count)."""
+    text = tokenizer.render(views)
+    rendered = encode_rendering(text, content_spans(views, text, tokenizer), tokenizer)[0]
     assert token_floor(views, tokenizer) <= len(rendered)
 
 
@@ -89,6 +94,32 @@ def test_the_token_floor_is_never_above_what_a_history_renders_to(
     any order of roles: the floor a history is refused on before rendering is at most its real token count."""
     floor_holds(chat_tokenizer, views)
     floor_holds(real_tokenizer, views)
+
+
+class FoldingTokenizer(ChatMLTokenizer):
+    """A template that writes nothing but control tokens around each turn, and folds a first system message into
+    the first user turn, unmarked (as Mistral's does); a system message later on is a turn of its own."""
+
+    @staticmethod
+    def _turn(role: str, content: str) -> str:
+        return f"<|im_start|>{content}<|im_end|>"
+
+    def render(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = False) -> str:
+        if len(messages) > 1 and messages[0]["role"] == "system" and messages[1]["role"] == "user":
+            folded = {"role": "user", "content": f"{messages[0]['content']} {messages[1]['content']}"}
+            text = "".join(self._turn(m["role"], m["content"]) for m in [folded, *messages[2:]])
+            return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")
+        return super().render(messages, add_generation_prompt)
+
+
+@settings(max_examples=40, deadline=None)
+@given(views=_VIEWS)
+@example(views=[{"role": "system", "content": "a"}, {"role": "user", "content": "b"}])
+def test_the_token_floor_holds_when_a_template_folds_the_first_turn_into_another(
+    views: list[dict[str, str]],
+) -> None:
+    """A system turn is marked where the template is probed (after other turns), but not when it comes first."""
+    floor_holds(FoldingTokenizer(), views)
 
 
 def test_a_history_that_cannot_fit_is_refused_before_it_is_rendered(

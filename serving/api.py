@@ -18,7 +18,7 @@ from dataclasses import replace
 from typing import Any
 
 from fastapi import FastAPI, Request, WebSocket
-from pydantic import ConfigDict, Field, ValidationError
+from pydantic import ValidationError
 from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.handle import DeploymentHandle
 from ray.serve.llm.ingress import OpenAiIngress, make_fastapi_ingress
@@ -30,9 +30,7 @@ from compaction.errors import (
     InvalidInput,
     UnknownModel,
 )
-from compaction.history import Message, parse_messages
-from compaction.options import CompactionOptions
-from compaction.pacing import Priority
+from compaction.history import parse_messages
 from compaction.partition import PlanLimits
 from compaction.tokenizer import HFChatTokenizer
 from serving.coordinator import CompactJob, ServiceResult
@@ -40,9 +38,7 @@ from serving.coordinator_calls import Suspects, call_coordinator
 from serving.errors import field_path, install_error_handlers
 from serving.middleware import BodyGuard
 from serving.ray_adapter import ChatRequest, CompletionRequest, http_host, openai_app, openai_routes
-from serving.routing import PlacementMode
 from serving.tenants import (
-    ANONYMOUS,
     KeyTable,
     TenancyConfig,
     Tenant,
@@ -69,6 +65,7 @@ from serving.wire import messages_answer, responses_answer
 from serving.wire import responses as wire_responses
 from serving.wire.chat import refuse_service_fields, when_sent, with_compaction
 from serving.wire.codec import SESSION_HEADER, ChatCall, checked_session
+from serving.wire.compact import CompactRequest
 from serving.wire.errors import AnthropicErrors
 from serving.wire.messages import CountTokensRequest, MessagesRequest
 from serving.wire.responses import CompactResponsesRequest, ResponsesRequest
@@ -77,54 +74,6 @@ from serving.wire.sse import chat_chunks
 logger = logging.getLogger(__name__)
 REPLICA_BACKOFF_S = (0.5, 1.0, 2.0)  # a chat turn whose model replica died is sent again after these pauses
 DEADLINE_GRACE_S = 5.0
-
-
-class CompactRequest(CompactionOptions):
-    """`POST /v1/compact`: the compaction options, plus what to compact and where to run it."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-    model: str = Field(min_length=1, max_length=256, description="A hosted model (GET /v1/models).")
-    messages: list[Message] = Field(
-        min_length=1, max_length=100_000, description="The history to compact: OpenAI-style chat messages."
-    )
-    session_id: str | None = Field(
-        None,
-        min_length=1,
-        max_length=256,
-        pattern=r"^[^\x00-\x1f]+$",
-        description="The agent's session (the x-session-id of its /v1/chat/completions turns); the header "
-        "is used when this is absent. Compactions of a session go to the replica caching its history.",
-    )
-    placement: PlacementMode = Field(
-        "auto",
-        description="auto: the cost model decides; pinned: every chunk on the session's replica; spread: "
-        "contiguous chunk ranges over replicas; round_robin: no affinity (for comparison).",
-    )
-    timeout_s: float | None = Field(
-        None,
-        gt=0,
-        le=86_400,
-        description="Deadline in seconds, queue wait included; past it the answer is 504 and the work is "
-        "cancelled. Default: the service's admission.timeout_s.",
-    )
-    priority: Priority = Field(
-        "agent",
-        description="agent: the caller waits for it, its prompts run beside agent turns; background: its prompts "
-        "yield to agent turns on the engines (prefill only when no agent request is running).",
-    )
-
-    def job(self, header_session: str | None, tenant: Tenant = ANONYMOUS) -> CompactJob:
-        return CompactJob(
-            model=self.model,
-            messages=self.messages,
-            options=self.options(),
-            session_id=self.session_id or header_session or None,
-            placement=self.placement,
-            timeout_s=self.timeout_s,
-            priority=self.priority,
-            tenant=tenant.id,
-            cache_salt=tenant.cache_salt,
-        )
 
 
 class CompactionIngress(OpenAiIngress):

@@ -10,10 +10,10 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from compaction.errors import BackendError, DeadlineExceeded, InvalidInput, Overloaded, UnknownModel
-from serving.api import CompactRequest
 from serving.errors import field_path, install_error_handlers, on_replica_error
 from serving.middleware import BodyGuard
 from serving.tenants import TenancyConfig, TenantGate
+from serving.wire.compact import CompactRequest
 
 GOOD: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 

@@ -1,7 +1,8 @@
 """Stage 6: the chunk summaries merged, in chunk order, into the compacted head.
 
 The head is the kept system messages, the carried summaries of earlier compactions, then one user
-message: the summary header, each chunk's summary with its pinned lines, and the user's own words.
+message: the summary header, each chunk's summary with its pinned lines, what was marked to keep
+(`compaction.keep`), and the user's own words.
 
 Pinned facts: beside the model's summary of each chunk, the most salient lines of the chunk, word for word.
 
@@ -37,6 +38,7 @@ from compaction.checks.quality import drop_seen
 from compaction.checks.validity import check_output
 from compaction.extractive import CALL_TAG, Line, Segment, candidate_lines, segments, weights
 from compaction.history import Message, template_view
+from compaction.keep import marked_to_keep, render_kept
 from compaction.options import CompactionOptions
 from compaction.plan import SUMMARY_HEADER, CompactionPlan, is_summary
 from compaction.result import ChunkStats, CompactionResult, CompactionStats
@@ -251,7 +253,9 @@ def merge(
     seen: list[tuple[str, ...]] = []  # no sentence of the summary repeats another, across chunks too
     texts = [drop_seen(text, seen) for _, text in per_chunk]
     summary = "\n\n".join(text for text in texts if text)
-    head = "\n\n".join(part for part in (f"{SUMMARY_HEADER}\n{summary}", words.render()) if part)
+    marked = [t for t in marked_to_keep(plan.history.messages[plan.kept_head : plan.kept_tail_from])
+              if not any(t in said for said in words.texts)]  # fmt: skip
+    head = "\n\n".join(part for part in (f"{SUMMARY_HEADER}\n{summary}", render_kept(marked), words.render()) if part)
     messages = [
         *plan.history.messages[: plan.kept_head],
         Message(role="user", content=head),

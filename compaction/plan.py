@@ -17,6 +17,7 @@ from compaction.checks.validity import check_history, turn_start
 from compaction.chunk_cache import ChunkCache, scope_of
 from compaction.errors import ContextOverflow, InvalidInput, NothingToCompact
 from compaction.history import Message, parse_messages, template_view
+from compaction.keep import check_kept, marked_to_keep
 from compaction.layouts import ChunkPrompt, lay_out
 from compaction.options import CompactionOptions
 from compaction.partition import Chunk, PlanLimits, partition
@@ -77,6 +78,7 @@ class Planner:
         if self.limits is not None:
             self.limits.check_history(len(history.token_ids))
         system, head, summaries, tail_from = kept_ends(history, opts)
+        check_kept(marked_to_keep(history.messages[head:tail_from]), self.tokenizer, self.context_window)
         starts = (*history.message_starts, len(history.token_ids))
         span = (starts[head], starts[tail_from])
         scope = scope_of(opts, namespace)

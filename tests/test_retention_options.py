@@ -10,6 +10,7 @@ from compaction.backend import GenerationRequest
 from compaction.checks.quality import collapse_repeats, judge, repeated_sentences
 from compaction.chunk_content import INSTRUCTIONS, classify
 from compaction.compactor import Compactor
+from compaction.errors import InvalidInput
 from compaction.extractive import segments
 from compaction.history import parse_messages
 from compaction.merge import USER_WORDS_HEADER, ChunkText, pin
@@ -167,3 +168,31 @@ def test_analysis_traces_plant_six_facts_of_their_own_once(seed: int, tokenizer:
     assert roles["requirement"] == roles["followup"] == "user" and roles["metric"] == "tool"
     assert roles["anomaly"] == roles["conclusion"] == "assistant"
     assert trace.messages == analysis_trace(seed, 3000, tokenizer).messages
+
+
+async def test_spans_marked_to_keep_survive_a_chain_of_compactions_verbatim(tokenizer: ChatTokenizer) -> None:
+    """<keep>…</keep> in any message of the compacted span (a tool result here) is written in the head verbatim,
+    markers included, so a later compaction that summarises that head again keeps it again."""
+    rule = "<keep>Never run migrations on the production database without a backup.</keep>"
+    trace = coding_trace(0, 3000, tokenizer)
+    messages = [*trace.messages]
+    at = next(i for i, m in enumerate(messages) if m["role"] == "tool")
+    messages[at] = {**messages[at], "content": f"{messages[at]['content']}\n{rule}"}
+    compactor = Compactor(tokenizer, FakeBackend(), context_window=8192)
+    options = {"chunk_tokens": 512, "carry_summary_tokens": 0, **PLAIN}
+    first = await compactor.compact(messages, options)
+    assert first.messages[1].text().count(rule) == 1 and first.replaces_through > at
+    later = [m.model_dump(mode="json", exclude_none=True) for m in first.messages] + trace.messages[1:]
+    second = await compactor.compact(later, options)  # the first head is summarised again, not carried
+    assert second.kept_head == 1 and second.messages[1].text().count(rule) == 1
+
+
+async def test_marking_more_than_a_quarter_of_the_window_to_keep_is_refused_before_any_call(
+    tokenizer: ChatTokenizer,
+) -> None:
+    backend = FakeBackend()
+    long = " ".join(f"rule {i}" for i in range(1200))
+    messages = [{"role": "user", "content": f"<keep>{long}</keep>"}, *coding_trace(0, 2000, tokenizer).messages[1:]]
+    with pytest.raises(InvalidInput, match=r"<keep>…</keep> spans .* over a quarter") as refused:
+        await Compactor(tokenizer, backend, context_window=8192).compact(messages, {"chunk_tokens": 512})
+    assert refused.value.field == "messages" and backend.requests == []

@@ -66,9 +66,12 @@ def test_the_openai_client_talks_to_the_app(service: LocalService) -> None:
 def test_http_compaction_of_a_locomo_conversation(
     client: httpx.Client, history: list[dict[str, Any]], options: dict[str, Any], chunks: int
 ) -> None:
-    response = client.post("/v1/compact", json={"model": MODEL, "messages": history, **options})
+    rule = "<keep>Never share Caroline's address.</keep>"  # marked to keep: verbatim in the compacted head
+    marked = [*history[:2], {**history[2], "content": f"{history[2]['content']} {rule}"}, *history[3:]]
+    response = client.post("/v1/compact", json={"model": MODEL, "messages": marked, **options})
     assert response.status_code == 200, response.text
     body = response.json()
+    assert [rule in m["content"] for m in body["messages"]].count(True) == 1
     stats = body["stats"]
     assert stats["chunks"] >= chunks and len(stats["replicas"]) == stats["chunks"] and all(stats["replicas"])
     assert body["summary"].strip() and all(c["summary_tokens"] > 0 for c in stats["per_chunk"])
@@ -116,6 +119,7 @@ def bad_requests() -> list[tuple[str, dict[str, Any], int, str]]:
     """(name, httpx request arguments, expected status, field or text the message must name)."""
     huge = {"model": MODEL, "messages": [{"role": "user", "content": "word " * 5000}] * 8, "strategy": "sequential"}
     null = {**GOOD, "messages": [{"role": "user", "content": None}]}
+    marked = {**GOOD, "messages": [{"role": "user", "content": f"<keep>{'rule ' * 2500}</keep>"}, *GOOD["messages"]]}
     text = {"content-type": "text/plain"}
     return [
         ("missing messages", {"json": {"model": MODEL}}, 422, "messages"),
@@ -135,6 +139,7 @@ def bad_requests() -> list[tuple[str, dict[str, Any], int, str]]:
         ("unknown model", {"json": {**GOOD, "model": "gpt-9"}}, 404, "model"),
         ("keeps everything verbatim", {"json": {**GOOD, "keep_recent_tokens": 100_000}}, 422, "keep_recent_tokens"),
         ("history over the window", {"json": huge}, 422, "messages"),
+        ("too much marked to keep", {"json": marked}, 422, "<keep>…</keep> spans"),
         ("oversize body", {"content": b"[" + b"0," * MAX_BYTES + b"0]", "headers": JSON}, 413, "body"),
         ("non-UTF-8 body", {"content": b'{"model": "\xff\xfe"}', "headers": JSON}, 400, "UTF-8"),
         ("wrong content type", {"content": b'{"model": "x"}', "headers": text}, 415, "Content-Type"),

@@ -13,12 +13,12 @@ from tests.test_sweep import needs_shared, run_in_process, tiny_cells
 
 
 @needs_shared
-def test_report_writes_every_section_and_figure(tmp_path: Path) -> None:
+def test_report_writes_every_section_and_figure(tmp_path: Path, model_path: Path) -> None:
     cells = tiny_cells()
     cells += [c.model_copy(update={"repeat": 1, "temperature": 0.5}) for c in cells[:1]]
     cells += [c.model_copy(update={"repeat": 2, "temperature": 0.5}) for c in cells[:1]]
     store = ResultStore(tmp_path / "results")
-    run_in_process(cells, store)
+    run_in_process(cells, store, model_path)
     report = write_report(store.root, tmp_path / "out")
     text = report.read_text()
     for title in ("(a) Summary output tokens", "(b) Run-to-run", "(c) Compaction share", "(d) Parallel vs"):

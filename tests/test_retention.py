@@ -21,7 +21,6 @@ from jobs.experiments.results import ResultStore, integrity
 from jobs.experiments.retention import recalled
 from jobs.report import retention, retention_by_kind, write_report
 from serving.models import load_catalogue
-from serving.weights import model_dir
 from tests.fakes import ChatMLTokenizer, FakeBackend
 from tests.test_sweep import MODEL, needs_shared
 
@@ -85,9 +84,9 @@ def cells() -> list[Any]:
 
 
 @needs_shared
-def test_retention_cells_measure_recall_and_invention_and_report_them(tmp_path: Path) -> None:
+def test_retention_cells_measure_recall_and_invention_and_report_them(tmp_path: Path, model_path: Path) -> None:
     access = ModelAccess(
-        MODEL, str(model_dir()), 8192, 16, functools.partial(FakeBackend, block_size=16, script=scripted), "fake"
+        MODEL, str(model_path), 8192, 16, functools.partial(FakeBackend, block_size=16, script=scripted), "fake"
     )
     store = ResultStore(tmp_path)
     paths = DataPaths().resolve(SHARED_DATA)
@@ -127,13 +126,15 @@ def test_retention_cells_measure_recall_and_invention_and_report_them(tmp_path: 
 
 
 @pytest.mark.parametrize("strategy", ["parallel", "extractive"])
-def test_report_show_prints_the_retention_tables(tmp_path: Path, capsys: pytest.CaptureFixture[str], strategy) -> None:
+def test_report_show_prints_the_retention_tables(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], strategy: str, model_path: Path
+) -> None:
     from jobs.report import main
 
     if not (SHARED_DATA / "locomo10.json").exists():
         pytest.skip("shared data absent")
     access = ModelAccess(
-        MODEL, str(model_dir()), 8192, 16, functools.partial(FakeBackend, block_size=16, script=scripted), "fake"
+        MODEL, str(model_path), 8192, 16, functools.partial(FakeBackend, block_size=16, script=scripted), "fake"
     )
     cell = next(c for c in cells() if c.dataset == "coding" and c.strategy == strategy)
     store = ResultStore(tmp_path)
@@ -144,13 +145,13 @@ def test_report_show_prints_the_retention_tables(tmp_path: Path, capsys: pytest.
 
 
 @needs_shared
-def test_the_in_process_runner_writes_cells_and_records_failures(tmp_path: Path) -> None:
+def test_the_in_process_runner_writes_cells_and_records_failures(tmp_path: Path, model_path: Path) -> None:
     from jobs.sweep import _run_in_order
 
     good = ModelAccess(
-        MODEL, str(model_dir()), 8192, 16, functools.partial(FakeBackend, block_size=16, script=scripted), "fake"
+        MODEL, str(model_path), 8192, 16, functools.partial(FakeBackend, block_size=16, script=scripted), "fake"
     )
-    broken = ModelAccess(MODEL, str(model_dir()), 8192, 16, functools.partial(FakeBackend, fail_on={0}), "fake")
+    broken = ModelAccess(MODEL, str(model_path), 8192, 16, functools.partial(FakeBackend, fail_on={0}), "fake")
     todo = [c for c in cells() if c.dataset == "coding" and c.strategy != "sequential"]
     store = ResultStore(tmp_path)
     paths = DataPaths().resolve(SHARED_DATA)

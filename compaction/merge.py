@@ -38,7 +38,7 @@ from compaction.checks.quality import drop_seen
 from compaction.checks.validity import check_output
 from compaction.extractive import CALL_TAG, Line, Segment, candidate_lines, segments, weights
 from compaction.history import Message, template_view
-from compaction.keep import render_kept
+from compaction.keep import render_kept, wrapped
 from compaction.options import CompactionOptions
 from compaction.plan import SUMMARY_HEADER, CompactionPlan, is_summary
 from compaction.result import ChunkStats, CompactionResult, CompactionStats
@@ -253,7 +253,8 @@ def merge(
     seen: list[tuple[str, ...]] = []  # no sentence of the summary repeats another, across chunks too
     texts = [drop_seen(text, seen) for _, text in per_chunk]
     summary = "\n\n".join(text for text in texts if text)
-    marked = [t for t in plan.marked if not any(t in said for said in words.texts)]  # kept once
+    # Kept once: not again when the user's words hold it marked (a later compaction finds it there).
+    marked = [t for t in plan.marked if not any(wrapped(t) in said for said in words.texts)]
     head = "\n\n".join(part for part in (f"{SUMMARY_HEADER}\n{summary}", render_kept(marked), words.render()) if part)
     messages = [
         *plan.history.messages[: plan.kept_head],

@@ -152,6 +152,9 @@ def test_old_tool_results_are_cleared_as_anthropic_documents(tokenizer: ChatToke
     results = [m["content"] for m in cleared if m["role"] == "tool"]
     assert results[0].startswith("file 0") and results[1:4] == [CLEARED] * 3 and results[4].startswith("file 4")
     assert messages[4]["content"].startswith("file 1")  # the caller's messages are untouched
+    marked = [*messages[:4], {**messages[4], "keep": True}, *messages[5:]]  # a result marked to keep stays
+    kept, report = clear_tool_uses(marked, edit, count)
+    assert report is not None and report["cleared_tool_uses"] == 2 and kept[4]["content"].startswith("file 1")
     untouched, none = clear_tool_uses(messages, edit.model_copy(update={"trigger": edit.trigger.model_copy(
         update={"value": 10**6})}), count)  # fmt: skip
     assert untouched is messages and none is None

@@ -196,3 +196,31 @@ async def test_marking_more_than_a_quarter_of_the_window_to_keep_is_refused_befo
     with pytest.raises(InvalidInput, match=r"<keep>…</keep> spans .* over a quarter") as refused:
         await Compactor(tokenizer, backend, context_window=8192).compact(messages, {"chunk_tokens": 512})
     assert refused.value.field == "messages" and backend.requests == []
+
+
+async def test_messages_and_parts_sent_with_keep_true_survive_a_chain_of_compactions(tokenizer: ChatTokenizer) -> None:
+    """A message (a tool result here) and a text part marked by their `keep` field are written verbatim in the
+    head, between the markers, so the chain keeps them as it keeps `<keep>` spans; a `keep` that is not a
+    boolean is refused naming it."""
+    trace = coding_trace(0, 3000, tokenizer)
+    messages = [*trace.messages]
+    tool = next(i for i, m in enumerate(messages) if m["role"] == "tool")
+    user = next(i for i, m in enumerate(messages) if m["role"] == "user" and i > tool)
+    messages[tool] = {**messages[tool], "keep": True}
+    rule = "Deploy only from the release branch."
+    messages[user] = {**messages[user], "content": [{"type": "text", "text": messages[user]["content"]},
+                                                    {"type": "text", "text": rule, "keep": True}]}  # fmt: skip
+    result = f"[tool result {messages[tool]['tool_call_id']}] {messages[tool]['content']}".strip()
+    compactor = Compactor(tokenizer, FakeBackend(), context_window=8192)
+    options = {"chunk_tokens": 512, "carry_summary_tokens": 0, "user_words_tokens": 0, **PLAIN}
+    first = await compactor.compact(messages, options)
+    assert first.replaces_through > user
+    for text in (f"<keep>{result}</keep>", f"<keep>{rule}</keep>"):
+        assert first.messages[1].text().count(text) == 1, text
+    later = [m.model_dump(mode="json", exclude_none=True) for m in first.messages] + trace.messages[1:]
+    second = await compactor.compact(later, options)
+    assert second.kept_head == 1
+    assert all(second.messages[1].text().count(f"<keep>{t}</keep>") == 1 for t in (result, rule))
+    with pytest.raises(InvalidInput) as refused:
+        parse_messages([{"role": "user", "content": "x", "keep": "always"}])
+    assert refused.value.field == "messages[0].keep"

@@ -92,6 +92,19 @@ def test_blocks_become_one_chat_conversation() -> None:
     parse_messages(chat["messages"])
 
 
+def test_messages_and_blocks_marked_keep_reach_the_compaction_marked() -> None:
+    """A message's `keep` marks every chat message it becomes; a text block's wraps its text in `<keep>` markers,
+    a tool_result block's marks its tool message (compaction.keep)."""
+    history = coding_messages(1)
+    history[0] = {**history[0], "keep": True}
+    result, go_on = history[2]["content"]
+    history[2] = {"role": "user", "content": [{**result, "keep": True}, {**go_on, "keep": True}]}
+    chat = to_chat(request(history), None).body["messages"]
+    assert [m.get("keep") for m in chat] == [None, True, None, True, None, None]
+    assert chat[4]["content"] == "<keep>Go on.</keep>"
+    parse_messages(chat)
+
+
 def test_the_compaction_edit_becomes_our_entry_below_the_hosted_minimum() -> None:
     instructions = "Keep every file path."
     config = {"edits": [edit(600, instructions=instructions, pause_after_compaction=True, background_threshold=400)]}
@@ -133,6 +146,9 @@ def edits(*entries: dict[str, Any]) -> dict[str, Any]:
         ({"system": [{"type": "image"}]}, "system[0]"),
         ({"tool_choice": {"type": "sometimes"}}, "tool_choice.type"),
         ({"metadata": {"user_id": "\x00"}}, "metadata.user_id"),
+        ({"messages": [{"role": "user", "content": "x", "keep": "yes"}]}, "messages[0].keep"),
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": "x", "keep": 1}]}]},
+         "messages[0].content[0].keep"),
     ],
 )  # fmt: skip
 def test_what_is_not_served_is_refused_naming_the_field(fields: dict[str, Any], field: str) -> None:

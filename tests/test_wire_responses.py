@@ -81,6 +81,18 @@ def test_input_items_become_one_chat_conversation() -> None:
     assert merged == [{"role": "assistant", "content": text, "tool_calls": [assistant["tool_calls"][0]]}]
 
 
+def test_items_and_parts_marked_keep_reach_the_compaction_marked() -> None:
+    """An item's `keep` marks its chat message (a function_call_output's too); a text part's wraps its text in
+    `<keep>` markers (compaction.keep)."""
+    items = coding_items(1)
+    items[0] = {"role": "user", "content": [{"type": "input_text", "text": "Fix it.", "keep": True}]}
+    items[2] = {**items[2], "keep": True}
+    messages, _ = input_messages([*items, {"role": "user", "content": "Go on.", "keep": True}])
+    assert messages[0]["content"] == "<keep>Fix it.</keep>" and "keep" not in messages[0]
+    assert [m.get("keep") for m in messages[1:]] == [None, True, None, True]
+    parse_messages(messages)
+
+
 def test_the_session_is_the_header_else_prompt_cache_key() -> None:
     assert to_chat(request("hi", prompt_cache_key="k1"), None).session == "k1"
     header = to_chat(request("hi", prompt_cache_key="k1"), "h1")
@@ -113,6 +125,11 @@ def test_a_json_schema_text_format_becomes_the_engines_grammar() -> None:
         ({"input": []}, "input"),
         ({"tool_choice": {"type": "file_search"}}, "tool_choice"),
         ({"input": ["text"]}, "input[0]"),
+        ({"input": [{"role": "user", "content": "x", "keep": 1}]}, "input[0].keep"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_text", "text": "x", "keep": "y"}]}]},
+            "input[0].content[0].keep",
+        ),
     ],
 )
 def test_what_is_not_served_is_refused_naming_the_field(fields: dict[str, Any], field: str) -> None:

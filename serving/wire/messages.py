@@ -35,6 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from compaction.context_edits import CLEAR_THINKING, CLEAR_TOOL_USES, Edit, parse_edit
 from compaction.errors import InvalidInput
+from compaction.keep import keep_flag, wrapped
 from compaction.plan import SUMMARY_HEADER
 from serving.wire.codec import ChatCall, decode, dumps, session_of
 
@@ -186,7 +187,7 @@ def _texts(blocks: list[Any], at: str, placeholders: dict[str, str] | None = Non
         elif kind != "text" or not isinstance(block.get("text"), str):
             raise InvalidInput(f"{at}[{j}]", "only text blocks are served here")
         else:
-            out.append(block["text"])
+            out.append(wrapped(block["text"]) if keep_flag(block, f"{at}[{j}]") else block["text"])
     return out
 
 
@@ -247,9 +248,9 @@ def chat_messages(messages: list[Any]) -> tuple[list[dict[str, Any]], tuple[int,
         message, at = messages[i], f"messages[{i}]"
         if not isinstance(message, dict) or message.get("role") not in ("user", "assistant", "system"):
             raise InvalidInput(f"{at}.role", "each message is an object with role user, assistant or system")
-        content = message.get("content")
+        content, kept = message.get("content"), {"keep": True} if keep_flag(message, at) else {}
         if isinstance(content, str):
-            out.append({"role": message["role"], "content": content})
+            out.append({"role": message["role"], "content": content, **kept})
             continue
         if not isinstance(content, list):
             raise InvalidInput(f"{at}.content", "must be a string or a list of content blocks")
@@ -258,12 +259,15 @@ def chat_messages(messages: list[Any]) -> tuple[list[dict[str, Any]], tuple[int,
         thought = [b.get("thinking") for _, b in blocks if isinstance(b, dict) and b.get("type") == "thinking"]
         turns += bool(thought)
         thoughts += [t for t in thought if isinstance(t, str)]
-        out = _turn(out, message["role"], blocks, f"{at}.content")
+        out = _turn(out, message["role"], blocks, f"{at}.content", kept)
     return out, (turns, "\n".join(thoughts))
 
 
-def _turn(out: list[dict[str, Any]], role: str, blocks: list[tuple[int, Any]], at: str) -> list[dict[str, Any]]:
-    """One message's blocks appended to `out` (a compaction block replaces all of `out`)."""
+def _turn(
+    out: list[dict[str, Any]], role: str, blocks: list[tuple[int, Any]], at: str, kept: dict[str, bool]
+) -> list[dict[str, Any]]:
+    """One message's blocks appended to `out` (a compaction block replaces all of `out`); `kept`: the message's
+    own `{"keep": True}`, given to each message it becomes."""
     texts: list[str] = []
     calls: list[dict[str, Any]] = []
     results: list[dict[str, Any]] = []
@@ -273,13 +277,13 @@ def _turn(out: list[dict[str, Any]], role: str, blocks: list[tuple[int, Any]], a
         if kind == "compaction":
             out = _expand(block, where)
         elif kind == "text" and isinstance(block.get("text"), str):
-            texts.append(block["text"])
+            texts.append(wrapped(block["text"]) if keep_flag(block, where) else block["text"])
         elif kind in PLACEHOLDER_BLOCKS:
             texts.append(PLACEHOLDER_BLOCKS[kind])
         elif kind == "tool_use" and role == "assistant":
             calls.append(_call(block, where))
         elif kind == "tool_result" and role == "user":
-            results.append(_result(block, where))
+            results.append({**_result(block, where), **kept, **({"keep": True} if keep_flag(block, where) else {})})
         elif kind not in ("thinking", "redacted_thinking") and kind not in SERVER_BLOCKS:
             raise InvalidInput(
                 f"{where}.type",
@@ -288,11 +292,10 @@ def _turn(out: list[dict[str, Any]], role: str, blocks: list[tuple[int, Any]], a
             )
     out.extend(results)
     if role == "assistant" and (texts or calls):
-        out.append(
-            {"role": "assistant", "content": "\n".join(texts) or None, **({"tool_calls": calls} if calls else {})}
-        )
+        calling = {"tool_calls": calls} if calls else {}
+        out.append({"role": "assistant", "content": "\n".join(texts) or None, **calling, **kept})
     elif texts:
-        out.append({"role": role, "content": "\n".join(texts)})
+        out.append({"role": role, "content": "\n".join(texts), **kept})
     return out
 
 

@@ -52,9 +52,12 @@ def ask(client: Any, history: list[dict[str, Any]], session: str, stream: bool =
 def test_the_openai_client_gets_compaction_back_and_continues_from_it(service: Any) -> None:
     client, session = openai_client(service.url), f"chat-{uuid.uuid4().hex[:8]}"
     history = [*coding_history(12), {"role": "user", "content": "Which module has the bug?"}]
+    history[7] = {**history[7], "keep": True}  # step 1's tool result, marked to keep: verbatim in the head
     reply = ask(client, history, session)
     compaction = reply.model_extra["compaction"]
     assert compaction["status"] == "applied", compaction
+    marked = f"<keep>[tool result call_1] {history[7]['content'].strip()}</keep>"
+    assert [marked in (m.get("content") or "") for m in compaction["messages"]].count(True) == 1
     assert compaction["prompt_tokens"] > 1024 > compaction["compacted_prompt_tokens"]
     assert reply.usage.prompt_tokens < compaction["prompt_tokens"]  # the model answered the compacted prompt
     assert compaction["stats"]["chunks"] >= 2 and compaction["source"] == "blocking"

@@ -68,10 +68,12 @@ def test_http_compaction_of_a_locomo_conversation(
 ) -> None:
     rule = "<keep>Never share Caroline's address.</keep>"  # marked to keep: verbatim in the compacted head
     marked = [*history[:2], {**history[2], "content": f"{history[2]['content']} {rule}"}, *history[3:]]
+    marked[5] = {**marked[5], "keep": True}  # a whole message marked by its field: the same, markers added
     response = client.post("/v1/compact", json={"model": MODEL, "messages": marked, **options})
     assert response.status_code == 200, response.text
     body = response.json()
-    assert [rule in m["content"] for m in body["messages"]].count(True) == 1
+    for kept in (rule, f"<keep>{marked[5]['content'].strip()}</keep>"):
+        assert [kept in m["content"] for m in body["messages"]].count(True) == 1, kept
     stats = body["stats"]
     assert stats["chunks"] >= chunks and len(stats["replicas"]) == stats["chunks"] and all(stats["replicas"])
     assert body["summary"].strip() and all(c["summary_tokens"] > 0 for c in stats["per_chunk"])
@@ -140,6 +142,12 @@ def bad_requests() -> list[tuple[str, dict[str, Any], int, str]]:
         ("keeps everything verbatim", {"json": {**GOOD, "keep_recent_tokens": 100_000}}, 422, "keep_recent_tokens"),
         ("history over the window", {"json": huge}, 422, "messages"),
         ("too much marked to keep", {"json": marked}, 422, "<keep>…</keep> spans"),
+        (
+            "keep not a boolean",
+            {"json": {**GOOD, "messages": [{"role": "user", "content": "x", "keep": "yes"}]}},
+            422,
+            "messages[0].keep",
+        ),
         ("oversize body", {"content": b"[" + b"0," * MAX_BYTES + b"0]", "headers": JSON}, 413, "body"),
         ("non-UTF-8 body", {"content": b'{"model": "\xff\xfe"}', "headers": JSON}, 400, "UTF-8"),
         ("wrong content type", {"content": b'{"model": "x"}', "headers": text}, 415, "Content-Type"),

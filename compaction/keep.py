@@ -86,3 +86,8 @@ def keep_flag(item: dict[str, Any], at: str) -> bool:
     if value is not None and not isinstance(value, bool):
         raise InvalidInput(f"{at}.keep", "must be true or false: true keeps the text verbatim through compactions")
     return value is True
+
+
+def keep_field(item: dict[str, Any], at: str) -> dict[str, bool]:
+    """`{"keep": True}` for a wire item marked to keep (to spread into its chat message), else nothing."""
+    return {"keep": True} if keep_flag(item, at) else {}

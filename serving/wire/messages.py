@@ -35,7 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from compaction.context_edits import CLEAR_THINKING, CLEAR_TOOL_USES, Edit, parse_edit
 from compaction.errors import InvalidInput
-from compaction.keep import keep_flag, wrapped
+from compaction.keep import keep_field, keep_flag, wrapped
 from compaction.plan import SUMMARY_HEADER
 from serving.wire.codec import ChatCall, decode, dumps, session_of
 
@@ -248,7 +248,7 @@ def chat_messages(messages: list[Any]) -> tuple[list[dict[str, Any]], tuple[int,
         message, at = messages[i], f"messages[{i}]"
         if not isinstance(message, dict) or message.get("role") not in ("user", "assistant", "system"):
             raise InvalidInput(f"{at}.role", "each message is an object with role user, assistant or system")
-        content, kept = message.get("content"), {"keep": True} if keep_flag(message, at) else {}
+        content, kept = message.get("content"), keep_field(message, at)
         if isinstance(content, str):
             out.append({"role": message["role"], "content": content, **kept})
             continue
@@ -283,7 +283,7 @@ def _turn(
         elif kind == "tool_use" and role == "assistant":
             calls.append(_call(block, where))
         elif kind == "tool_result" and role == "user":
-            results.append({**_result(block, where), **kept, **({"keep": True} if keep_flag(block, where) else {})})
+            results.append({**_result(block, where), **kept, **keep_field(block, where)})
         elif kind not in ("thinking", "redacted_thinking") and kind not in SERVER_BLOCKS:
             raise InvalidInput(
                 f"{where}.type",

@@ -32,7 +32,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from compaction.errors import InvalidInput
-from compaction.keep import keep_flag, wrapped
+from compaction.keep import keep_field, keep_flag, wrapped
 from compaction.options import CompactionOptions
 from serving.wire.codec import ChatCall, decode, dumps, session_of
 
@@ -229,7 +229,7 @@ def input_messages(items: str | list[Any], trigger_allowed: bool = False) -> tup
             _append_call(out, _call_of(item, kind, at), at)
         elif kind in ("function_call_output", "custom_tool_call_output", "local_shell_call_output"):
             result = {"role": "tool", "tool_call_id": _text(item, "call_id", at), "content": _output(item, at)}
-            out.append({**result, **_kept(item, at)})
+            out.append({**result, **keep_field(item, at)})
         elif kind != "reasoning" and kind not in HOSTED_ITEMS:
             raise InvalidInput(
                 f"{at}.type",
@@ -286,12 +286,7 @@ def _message(item: dict[str, Any], at: str) -> dict[str, Any]:
     if role not in ("user", "assistant", "system", "developer"):
         raise InvalidInput(f"{at}.role", f"unknown role {role!r}; use user, assistant, system or developer")
     content = _parts_text(item.get("content"), f"{at}.content")
-    return {"role": "system" if role == "developer" else role, "content": content, **_kept(item, at)}
-
-
-def _kept(item: dict[str, Any], at: str) -> dict[str, bool]:
-    """`{"keep": True}` for an item marked to keep (compaction.keep), else nothing."""
-    return {"keep": True} if keep_flag(item, at) else {}
+    return {"role": "system" if role == "developer" else role, "content": content, **keep_field(item, at)}
 
 
 def _append_call(out: list[dict[str, Any]], item: dict[str, Any], at: str) -> None:

@@ -6,6 +6,19 @@ in one table, into status codes or exit messages.
 
 from __future__ import annotations
 
+import re
+from collections.abc import Sequence
+from typing import Any
+
+_UNION_TAG = re.compile(r"^(str|none|\w+\[.*\])$")  # pydantic's name of a union member in an error's location
+
+
+def located(errors: Sequence[Any]) -> tuple[tuple[Any, ...], str]:
+    """The location and message of the pydantic error that names the field best: the deepest one (a list
+    content's `content[0].keep`, not its str branch), without pydantic's union-member tags."""
+    first = max(errors, key=lambda e: len(e["loc"]))
+    return tuple(p for p in first["loc"] if not _UNION_TAG.match(str(p))), first["msg"]
+
 
 class CompactionError(Exception):
     """Base class: anything that made a compaction impossible. The caller's history is untouched."""

@@ -9,9 +9,9 @@ import json
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
 
-from compaction.errors import InvalidInput
+from compaction.errors import InvalidInput, located
 
 Role = Literal["system", "user", "assistant", "tool"]
 
@@ -43,7 +43,7 @@ class TextPart(BaseModel):
     model_config = ConfigDict(extra="allow", frozen=True)
     type: Literal["text"] = "text"
     text: str
-    keep: bool | None = Field(default=None, description=KEEP_FIELD, exclude_if=_unset)
+    keep: StrictBool | None = Field(default=None, description=KEEP_FIELD, exclude_if=_unset)
 
 
 class Message(BaseModel):
@@ -61,7 +61,7 @@ class Message(BaseModel):
         default=None, description="Tool calls of an assistant turn.", exclude_if=_unset
     )
     tool_call_id: str | None = Field(default=None, description="The call a tool message answers.", exclude_if=_unset)
-    keep: bool | None = Field(default=None, description=KEEP_FIELD, exclude_if=_unset)
+    keep: StrictBool | None = Field(default=None, description=KEEP_FIELD, exclude_if=_unset)
 
     def text(self) -> str:
         """The message content as one string (text parts joined)."""
@@ -86,9 +86,9 @@ def parse_messages(raw: Sequence[Any], field: str = "messages") -> list[Message]
         try:
             message = item if isinstance(item, Message) else Message.model_validate(item)
         except ValidationError as exc:
-            first = exc.errors()[0]
-            loc = ".".join(str(p) for p in first["loc"])
-            raise InvalidInput(f"{field}[{i}].{loc}".rstrip("."), first["msg"]) from exc
+            loc, why = located(exc.errors())
+            at = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc)
+            raise InvalidInput(f"{field}[{i}]{at}", why) from exc
         if message.content is None and not message.tool_calls:
             raise InvalidInput(f"{field}[{i}].content", "content is null and there are no tool_calls")
         out.append(message)

@@ -49,6 +49,7 @@ from compaction.errors import (
     Overloaded,
     PromptTooLong,
     UnknownModel,
+    located,
 )
 from serving.metrics import OutcomeKind
 
@@ -161,8 +162,9 @@ async def on_validation_error(request: Request, exc: Exception) -> JSONResponse:
     if first["type"] == "json_invalid":
         detail = dict(first.get("ctx") or {}).get("error", "malformed")
         return error_response(400, "invalid_request_error", f"body: not valid JSON ({detail})", "body")
-    field = field_path(tuple(first["loc"]))
-    return error_response(422, "invalid_request_error", f"{field}: {first['msg']}", field)
+    loc, message = located(errors) if errors else (("body",), "invalid request")
+    field = field_path(loc)
+    return error_response(422, "invalid_request_error", f"{field}: {message}", field)
 
 
 async def on_http_error(request: Request, exc: Exception) -> JSONResponse:

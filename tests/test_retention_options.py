@@ -221,6 +221,10 @@ async def test_messages_and_parts_sent_with_keep_true_survive_a_chain_of_compact
     second = await compactor.compact(later, options)
     assert second.kept_head == 1
     assert all(second.messages[1].text().count(f"<keep>{t}</keep>") == 1 for t in (result, rule))
+    for value in ("always", "yes", 1):  # a boolean only: "yes" and 1 are not read as true
+        with pytest.raises(InvalidInput) as refused:
+            parse_messages([{"role": "user", "content": [{"type": "text", "text": "x"}], "keep": value}])
+        assert refused.value.field == "messages[0].keep"
     with pytest.raises(InvalidInput) as refused:
-        parse_messages([{"role": "user", "content": "x", "keep": "always"}])
-    assert refused.value.field == "messages[0].keep"
+        parse_messages([{"role": "user", "content": [{"type": "text", "text": "x", "keep": "yes"}]}])
+    assert refused.value.field == "messages[0].content[0].keep"

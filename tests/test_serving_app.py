@@ -123,6 +123,8 @@ def bad_requests() -> list[tuple[str, dict[str, Any], int, str]]:
     null = {**GOOD, "messages": [{"role": "user", "content": None}]}
     marked = {**GOOD, "messages": [{"role": "user", "content": f"<keep>{'rule ' * 2500}</keep>"}, *GOOD["messages"]]}
     text = {"content-type": "text/plain"}
+    lax = {**GOOD, "messages": [{**GOOD["messages"][0], "keep": "yes"}]}  # a boolean only, not pydantic's lax "yes"
+    part = {**GOOD, "messages": [{"role": "user", "content": [{"type": "text", "text": "x", "keep": 1}]}]}
     return [
         ("missing messages", {"json": {"model": MODEL}}, 422, "messages"),
         ("missing model", {"json": {"messages": GOOD["messages"]}}, 422, "model"),
@@ -142,6 +144,8 @@ def bad_requests() -> list[tuple[str, dict[str, Any], int, str]]:
         ("keeps everything verbatim", {"json": {**GOOD, "keep_recent_tokens": 100_000}}, 422, "keep_recent_tokens"),
         ("history over the window", {"json": huge}, 422, "messages"),
         ("too much marked to keep", {"json": marked}, 422, "<keep>…</keep> spans"),
+        ("keep not a boolean", {"json": lax}, 422, "messages[0].keep"),
+        ("a part's keep not a boolean", {"json": part}, 422, "messages[0].content[0].keep"),
         ("oversize body", {"content": b"[" + b"0," * MAX_BYTES + b"0]", "headers": JSON}, 413, "body"),
         ("non-UTF-8 body", {"content": b'{"model": "\xff\xfe"}', "headers": JSON}, 400, "UTF-8"),
         ("wrong content type", {"content": b'{"model": "x"}', "headers": text}, 415, "Content-Type"),

@@ -25,6 +25,9 @@ not fit is left to the summary and older ones are still tried. Repeats are kept 
 kept ones are written in their original order under a header, in the compacted head. Codex CLI
 keeps the user's recent messages the same way (up to 20,000 tokens of a 272k window); the
 default budget is the same share of the model's window.
+
+A compaction never returns a history longer than it was sent: when the head it writes would not be
+shorter than the span it replaces, the compaction answers "nothing to compact" (`NothingToCompact`).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from dataclasses import dataclass, replace
 from compaction.checks.grounding import Source, salient_tokens
 from compaction.checks.quality import drop_seen
 from compaction.checks.validity import check_output
+from compaction.errors import NothingToCompact
 from compaction.extractive import CALL_TAG, Line, Segment, candidate_lines, segments, weights
 from compaction.history import Message, template_view
 from compaction.keep import render_kept, wrapped
@@ -263,6 +267,13 @@ def merge(
     ]
     check_output(messages)
     compacted = len(tokenizer.encode(tokenizer.render([template_view(m) for m in messages])))
+    if compacted >= len(plan.history.token_ids):  # never a longer history than was sent
+        raise NothingToCompact(
+            "messages",
+            f"nothing to compact: the compacted history would hold {compacted} tokens, not fewer than the "
+            f"{len(plan.history.token_ids)} sent (the span to summarise is shorter than its summary, marked spans "
+            "and the user's words); send the history as it is",
+        )
     opts = plan.options
     return CompactionResult(
         messages=messages,

@@ -14,6 +14,7 @@ import pytest
 from compaction.tokenizer import HFChatTokenizer
 from jobs.data.conversations import locomo_messages, truncate_history
 from tests.support import SERVED_MODEL, SERVICE_MAX_BYTES
+from tests.test_production import cheap
 
 pytestmark = [pytest.mark.ray, pytest.mark.engine]
 
@@ -72,7 +73,7 @@ async def test_a_maximal_request_leaves_healthz_and_small_compactions_answering(
             if i % 4 == 0:
                 t = time.perf_counter()
                 text = f"Remember locker {i} holds the blue bag (note {i})."
-                body = {**small, "messages": [{"role": "user", "content": text}] * 3, "session_id": f"small-{i}"}
+                body = {**small, "messages": cheap(text)["messages"], "session_id": f"small-{i}"}
                 compactions.append(((await http.post("/v1/compact", json=body)).status_code, time.perf_counter() - t))
             i += 1
             await asyncio.sleep(0.5)

@@ -27,8 +27,11 @@ MODEL = SERVED_MODEL
 
 
 def cheap(text: str = "I booked a flight to Oslo for the 14th.", **options: Any) -> dict[str, Any]:
-    """A compaction that costs one short prompt and a few output tokens."""
-    messages = [{"role": "user", "content": f"{text} (note {i})"} for i in range(4)]
+    """A compaction that costs one short prompt and a few output tokens, of a history its summary shortens (the
+    assistant's replies are summarised; the user's words are kept)."""
+    reply = "Noted. I wrote it down with the date, the booking reference and the seat, and I will remind you later."
+    messages = [{"role": role, "content": f"{text} (note {i})" if role == "user" else reply}
+                for i in range(4) for role in ("user", "assistant")]  # fmt: skip
     return {"model": MODEL, "messages": messages, "strategy": "sequential", "max_chunk_summary_tokens": 6, **options}
 
 

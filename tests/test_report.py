@@ -28,7 +28,7 @@ def test_report_writes_every_section_and_figure(tmp_path: Path, model_path: Path
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"![{figure}]({figure}.png)" in text
     rows = store.read().to_pandas()
     runs = episodes(rows)
-    assert list(tau_table(runs).tau) == [200, 300]  # the MC runs at two taus
+    assert list(tau_table(runs).tau) == [300, 400]  # the MC runs at two taus
     assert chunk_table(runs).empty  # no setting here was run with two compaction shapes
     repeated = stability(rows)
     # the fake writes the same summary every time: no spread, identical text

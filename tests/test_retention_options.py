@@ -10,7 +10,7 @@ from compaction.backend import GenerationRequest
 from compaction.checks.quality import collapse_repeats, judge, repeated_sentences
 from compaction.chunk_content import INSTRUCTIONS, classify
 from compaction.compactor import Compactor
-from compaction.errors import InvalidInput
+from compaction.errors import InvalidInput, NothingToCompact
 from compaction.extractive import segments
 from compaction.history import parse_messages
 from compaction.merge import USER_WORDS_HEADER, ChunkText, pin
@@ -228,3 +228,20 @@ async def test_messages_and_parts_sent_with_keep_true_survive_a_chain_of_compact
     with pytest.raises(InvalidInput) as refused:
         parse_messages([{"role": "user", "content": [{"type": "text", "text": "x", "keep": "yes"}]}])
     assert refused.value.field == "messages[0].content[0].keep"
+
+
+async def test_a_history_its_compaction_would_not_shorten_is_answered_nothing_to_compact(
+    tokenizer: ChatTokenizer,
+) -> None:
+    """A short history whose summary header and the user's words kept outweigh what they replace: never a longer
+    history than was sent. A longer one of the same kind is compacted, and comes back shorter."""
+    said = [{"role": "user", "content": "Keep Python 3.8 support."}, {"role": "assistant", "content": "Sure."}]
+    compactor = Compactor(tokenizer, FakeBackend(), context_window=8192)
+    with pytest.raises(NothingToCompact, match="nothing to compact: the compacted history would hold") as refused:
+        await compactor.compact(
+            [*said, {"role": "user", "content": "Add a CHANGELOG entry."}], {"keep_recent_tokens": 0}
+        )
+    assert refused.value.field == "messages"
+    worked = {"role": "assistant", "content": "I read setup.cfg, pyproject.toml and tox.ini and ran the tests. " * 8}
+    result = await compactor.compact([*said, worked, {"role": "user", "content": "Thanks."}], {"keep_recent_tokens": 0})
+    assert result.stats.compacted_tokens < result.stats.history_tokens

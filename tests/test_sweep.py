@@ -42,7 +42,7 @@ TINY = {
             "summary_tokens": 32,
             "concurrency": 2,
         },
-        {"name": "mc", "kind": "agent", "datasets": ["locomo_mc"], "chunk_tokens": [128], "taus": [200, 300]},
+        {"name": "mc", "kind": "agent", "datasets": ["locomo_mc"], "chunk_tokens": [128], "taus": [300, 400]},
         {"name": "qa", "kind": "agent", "datasets": ["hotpotqa"], "limit": 1, "taus": [400], "chunk_tokens": [256]},
     ],
 }

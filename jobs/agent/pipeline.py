@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from compaction.backend import Backend, GenerationRequest
 from compaction.compactor import Compactor
+from compaction.errors import NothingToCompact
 from compaction.history import Message, parse_messages, template_view
 from compaction.merge import user_words, user_words_budget
 from compaction.options import CompactionOptions
@@ -158,9 +159,12 @@ class AgentPipeline:
                 started = time.perf_counter()
                 settings = self.settings
                 options = matched_options(self.compactor, history, settings.compaction, settings.summary_tokens)
-                result = await self.compactor.compact(history, options)
+                try:
+                    result = await self.compactor.compact(history, options)
+                    history, stats = list(result.messages), result.stats
+                except NothingToCompact:  # compacting would not shorten it: the agent goes on with it as it is
+                    pass
                 stall = time.perf_counter() - started
-                history, stats = list(result.messages), result.stats
             after = stats.compacted_tokens if stats else tokens
             turns.append(Turn(index, step, tokens, answer, stats, stall, after))
         return Episode(turns, time.perf_counter() - began)

@@ -29,7 +29,15 @@ from serving.tenants import client_headers
 say = sayer("ingress", clock=True)
 SMALL = {
     "model": MODEL,
-    "messages": [{"role": "user", "content": "Fix the parser."}, {"role": "assistant", "content": "Fixed it."}],
+    "messages": [  # a history the summary shortens (a shorter one is answered "nothing to compact")
+        {"role": "user", "content": "Fix the parser."},
+        {
+            "role": "assistant",
+            "content": "I read src/parser.py, found the off-by-one in split_fields at line 42, "
+            "fixed it, and ran the tests: all 31 pass, including test_split_fields_on_trailing_commas.",
+        },
+        {"role": "user", "content": "Thanks."},
+    ],
     "strategy": "sequential",
     "max_chunk_summary_tokens": 6,
     "keep_recent_tokens": 0,

@@ -103,10 +103,13 @@ def test_a_messages_turn_compacts_the_block_comes_back_and_the_session_keeps_its
 ) -> None:
     anthropic, user = anthropic_client(service.url), session()
     history = [*coding_messages(10), QUESTION]
+    result, go_on = history[2]["content"]
+    history[2] = {**history[2], "content": [{**result, "keep": True}, go_on]}  # a tool result marked to keep
     reply = ask(anthropic, history, user)
     assert reply.content[0].type == "compaction", reply.content
     block = reply.content[0]
     assert block.content and block.encrypted_content.startswith("pc1.")
+    assert block.content.count("<keep>[tool result toolu_0]") == 1, block.content  # verbatim, once
     assert [i.type for i in reply.usage.iterations] == ["compaction", "message"]
     assert reply.usage.iterations[0].input_tokens > 0 and reply.usage.input_tokens < 1024
     history += [{"role": "assistant", "content": reply.content}, {"role": "user", "content": "And the fix?"}]

@@ -44,6 +44,10 @@ def test_models_health_and_docs(client: httpx.Client) -> None:
     assert client.get("/docs").status_code == 200
     paths = client.get("/openapi.json").json()["paths"]
     assert {"/v1/compact", "/v1/chat/completions", "/v1/completions", "/healthz"} <= set(paths)
+    # No usage-telemetry actor (ray.serve.llm's "llm_serve_telemetry") was started beside the replicas.
+    import ray
+
+    assert "llm_serve_telemetry" not in {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)}
 
 
 def test_the_openai_client_talks_to_the_app(service: LocalService) -> None:

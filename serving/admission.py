@@ -7,6 +7,9 @@ Gate
     to N chunk prompts in flight, so it holds N of the model's `capacity` sequences while it runs.
     A compaction larger than the whole capacity starts alone once nothing else runs. `max_running`
     optionally caps the number of compactions running at once.
+    An agent-lane compaction counts only the agent-lane sequences running: background runs yield to it
+    inside the engine (`serving.scheduler`), so a background run that fills the capacity does not make an
+    agent's compaction wait for it.
     Waiting is fair, in lanes: an agent is waiting on a compaction of the agent lane (blocking), or on a
     background run whose `urgent` event its turn set; those go before background runs. Within a lane
     the tenant with the fewest compactions running goes first, then the one served longest ago (round
@@ -86,8 +89,7 @@ class Gate:
     ) -> None:
         self.limits = limits
         self.on_change = on_change  # told every new state (metrics)
-        self._running = 0
-        self._sequences = 0
+        self._holders: set[_Waiter] = set()  # the running compactions
         self._queue: list[_Waiter] = []
         self._arrivals = itertools.count()
         self._by_tenant: Counter[str] = Counter()  # compactions running per tenant
@@ -95,7 +97,8 @@ class Gate:
         self._typical_s = typical_s  # moving estimate of one compaction's run time, for Retry-After
 
     def state(self) -> GateState:
-        return GateState(self._running, self._sequences, len(self._queue), self.limits.capacity)
+        sequences = sum(w.sequences for w in self._holders)
+        return GateState(len(self._holders), sequences, len(self._queue), self.limits.capacity)
 
     def resize(self, capacity: int) -> None:
         """New sequence capacity (replicas came or went); waiting compactions that now fit start."""
@@ -104,7 +107,7 @@ class Gate:
 
     def retry_after_s(self) -> float:
         """Seconds until a slot is likely free: the queue ahead drains at `running` compactions per typical run."""
-        waves = (len(self._queue) + 1) / max(1, self._running)
+        waves = (len(self._queue) + 1) / max(1, len(self._holders))
         return float(min(120, max(1, math.ceil(waves * self._typical_s))))
 
     @asynccontextmanager
@@ -114,7 +117,7 @@ class Gate:
         """Hold `sequences` while the body runs; yields the seconds spent waiting. Raises Overloaded when full."""
         began = time.perf_counter()
         waiter = _Waiter(max(1, sequences), tenant, background, urgent, next(self._arrivals))
-        if self._queue or not self._fits(waiter.sequences):
+        if self._queue or not self._fits(waiter):
             await self._wait(waiter)
         else:
             self._take(waiter)
@@ -124,14 +127,14 @@ class Gate:
         finally:
             self._release(waiter, time.perf_counter() - began - waited)
 
-    def _fits(self, need: int) -> bool:
-        if self.limits.max_running is not None and self._running >= self.limits.max_running:
+    def _fits(self, waiter: _Waiter) -> bool:
+        if self.limits.max_running is not None and len(self._holders) >= self.limits.max_running:
             return False
-        return self._running == 0 or self._sequences + need <= self.limits.capacity
+        rivals = [w.sequences for w in self._holders if w.agent_lane or not waiter.agent_lane]
+        return not rivals or sum(rivals) + waiter.sequences <= self.limits.capacity
 
     def _take(self, waiter: _Waiter) -> None:
-        self._running += 1
-        self._sequences += waiter.sequences
+        self._holders.add(waiter)
         self._by_tenant[waiter.tenant] += 1
         self._served.put(waiter.tenant, waiter.arrived)
         self._changed()
@@ -142,7 +145,7 @@ class Gate:
 
     def _overloaded(self, why: str) -> Overloaded:
         return Overloaded(
-            f"{self._running} compactions are running and {len(self._queue)} are queued for this model ({why}); "
+            f"{len(self._holders)} compactions are running and {len(self._queue)} are queued for this model ({why}); "
             "retry after the Retry-After seconds",
             self.retry_after_s(),
         )
@@ -168,6 +171,7 @@ class Gate:
     async def _wait(self, waiter: _Waiter) -> None:
         self._make_room(waiter)
         self._queue.append(waiter)
+        self._wake()  # an agent-lane newcomer may start past background runs that wait
         self._changed()
         try:
             await waiter.granted
@@ -182,8 +186,7 @@ class Gate:
             raise
 
     def _release(self, waiter: _Waiter, ran_s: float | None) -> None:
-        self._running -= 1
-        self._sequences -= waiter.sequences
+        self._holders.discard(waiter)
         self._by_tenant[waiter.tenant] -= 1
         if self._by_tenant[waiter.tenant] <= 0:
             del self._by_tenant[waiter.tenant]
@@ -205,7 +208,7 @@ class Gate:
     def _wake(self) -> None:
         for gone in [w for w in self._queue if w.granted.done()]:  # their callers left and will not take a slot
             self._queue.remove(gone)
-        while self._queue and self._fits((head := self._head()).sequences):
+        while self._queue and self._fits(head := self._head()):
             self._queue.remove(head)
             self._take(head)
             head.granted.set_result(None)

@@ -75,6 +75,28 @@ async def test_a_background_run_an_agent_waits_for_joins_the_agent_lane() -> Non
     assert runs.order == ["running", "bg2", "bg1"]
 
 
+async def test_background_runs_that_fill_the_capacity_do_not_hold_an_agents_compaction_back() -> None:
+    """Background runs yield inside the engine, so the agent lane counts only its own sequences; another
+    background run still waits for them, and agents still wait for each other."""
+    runs = one_at_a_time()
+    runs.start("bg", background=True)
+    await runs.settle()
+    runs.start("bg-next", background=True)
+    runs.start("agent")
+    await runs.settle()
+    assert runs.order == ["bg", "agent"]
+    runs.start("agent-next")
+    await runs.settle()
+    assert runs.order == ["bg", "agent"] and runs.gate.state() == GateState(2, 2, 2, 1)
+    await runs.finish("agent")
+    assert runs.order == ["bg", "agent", "agent-next"]
+    await runs.finish("bg")
+    assert runs.order == ["bg", "agent", "agent-next"]  # agent-next still holds the capacity
+    await runs.finish("agent-next")
+    await runs.finish("bg-next")
+    assert runs.order == ["bg", "agent", "agent-next", "bg-next"] and runs.gate.state() == GateState(0, 0, 0, 1)
+
+
 async def test_the_tenant_with_the_fewest_running_goes_first() -> None:
     runs = Runs(Gate(Limits(capacity=2, max_queued=8)))
     runs.start("a1", "a")
@@ -114,7 +136,7 @@ async def test_one_tenant_fills_the_queue_alone_but_cannot_shut_another_out() ->
 
 async def test_a_full_queue_of_background_runs_makes_room_for_an_agent() -> None:
     runs = one_at_a_time(max_queued=2)
-    runs.start("running", background=True)
+    runs.start("running")
     await runs.settle()
     runs.start("bg1", background=True)
     runs.start("bg2", background=True)

@@ -45,6 +45,19 @@ def wait_for(check: Callable[[], bool], timeout_s: float, poll_s: float = 0.2) -
     return time.monotonic() - began
 
 
+def held_still(read: Callable[[], float], seconds: float, timeout_s: float, poll_s: float = 0.25) -> float:
+    """Seconds until `read()` last changed, once it has held one value for `seconds`; raises after `timeout_s`."""
+    began = time.monotonic()
+    value, since = read(), began
+    while time.monotonic() - since < seconds:
+        if time.monotonic() - began > timeout_s:
+            raise AssertionError(f"still changing after {timeout_s} s (now {value})")
+        time.sleep(poll_s)
+        if (now := read()) != value:
+            value, since = now, time.monotonic()
+    return since - began
+
+
 def engine_running(metrics_url: str) -> float:
     """Requests the engines are running (vLLM's gauge; a replica that stopped reporting counts 0)."""
     return sum(samples(scrape(metrics_url), "ray_vllm_num_requests_running"))
@@ -147,19 +160,20 @@ async def test_abandoned_compactions_stop_on_the_engines(service: LocalService, 
         if how == "client disconnect":
             await asyncio.to_thread(wait_for, lambda: engine_running(metrics_url) > 0, 120)
             call.cancel()  # httpx closes the connection: the client is gone
-            left = time.monotonic()
         else:
             response = await call
-            left = time.monotonic()
             error = response.json()["error"]
             assert response.status_code == 504 and error["type"] == "timeout_error" and "timeout_s" in error["message"]
+        at_leaving = engine_generated(metrics_url)
     took = await asyncio.to_thread(wait_for, lambda: engine_running(metrics_url) == 0, 30, 0.1)
-    print(f"{how}: engine running requests at 0 {time.monotonic() - left:.2f} s after the client left")
     assert took <= 2.0 + 2.0  # 2 s, plus Ray's export of the gauge (1 s interval in the test cluster)
-    # The engines stopped decoding: the chunk prompts asked for 400 tokens each and were aborted.
-    generated = engine_generated(metrics_url)
-    await asyncio.sleep(4)
-    assert engine_generated(metrics_url) == generated
+    # The engines stopped decoding: every chunk prompt asked for 2,000 tokens, so an engine still decoding one
+    # would move the counter every step for minutes. It holds still for 3 s within a few s of the gauge at 0
+    # (the counter, too, reaches the endpoint up to an export interval late).
+    settled = await asyncio.to_thread(held_still, lambda: engine_generated(metrics_url), 3.0, 30.0)
+    after = engine_generated(metrics_url) - at_leaving
+    print(f"{how}: engine running requests at 0 {took:.2f} s after the client left; {after:.0f} tokens decoded since")
+    assert settled <= 4.0 and after < 2000, (settled, after)
 
 
 def coordinator_pids() -> dict[str, int]:

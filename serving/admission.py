@@ -117,8 +117,8 @@ class Gate:
         """Hold `sequences` while the body runs; yields the seconds spent waiting. Raises Overloaded when full."""
         began = time.perf_counter()
         waiter = _Waiter(max(1, sequences), tenant, background, urgent, next(self._arrivals))
-        if self._queue or not self._fits(waiter):
-            await self._wait(waiter)
+        if not self._fits(waiter) or any(w.agent_lane or not waiter.agent_lane for w in self._queue):
+            await self._wait(waiter)  # behind the queue, unless an agent's compaction that fits passes background runs
         else:
             self._take(waiter)
         waited = time.perf_counter() - began

@@ -53,8 +53,8 @@ class VLLMBackend:
 
         On the CPU the engine computes where a model replica alone on its host would (`serving.placement`):
         `cpu_threads` of this process's cores, all of them by default, unless VLLM_CPU_OMP_THREADS_BIND is set.
-        vLLM's own `auto` keeps one core for its scheduler: on a 2-core host that halves the compute (a 3,000-token
-        compaction took 29.4 s on one core of an AVX2 EPYC and 15.0 s on both, in one run).
+        vLLM's own `auto` keeps one core for its scheduler: on a 2-core host that costs about a third of the prefill
+        rate (docs/placement.md has the side-by-side figures).
 
         The cache block size is the engine's choice (128 tokens on vLLM-CPU, 16 on CUDA) unless
         `block_size=` is passed; read it back from `block_size`.

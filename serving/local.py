@@ -182,11 +182,11 @@ class LocalService:
         configuration changed) and wait until it is healthy."""
         from ray import serve
 
-        from serving.app import build_app, parse_args
+        from serving.app import build_app
 
-        parse_args(args)
+        app = build_app(args)  # refuses bad arguments before the running application is touched
         self.args = args
-        serve.run(build_app(args), name=APP_NAME, route_prefix="/")
+        serve.run(app, name=APP_NAME, route_prefix="/")
         if self.quiet:
             hush()
         self._wait_healthy()

@@ -153,6 +153,21 @@ async def test_a_full_queue_of_background_runs_makes_room_for_an_agent() -> None
     assert runs.order == ["running", "agent", "bg1"]
 
 
+async def test_an_agent_that_fits_past_a_full_queue_of_background_runs_refuses_none_of_them() -> None:
+    """Only a newcomer that has to queue takes a queued run's place; one admitted on arrival displaces nobody."""
+    runs = one_at_a_time(max_queued=2)
+    runs.start("bg", background=True)
+    await runs.settle()
+    runs.start("bg1", background=True)
+    runs.start("bg2", background=True)
+    runs.start("agent")
+    await runs.settle()
+    assert runs.order == ["bg", "agent"] and runs.gate.state().queued == 2
+    for name in ("agent", "bg", "bg1", "bg2"):
+        await runs.finish(name)
+    assert runs.order == ["bg", "agent", "bg1", "bg2"]
+
+
 async def test_a_caller_that_leaves_the_queue_gives_its_place_back() -> None:
     runs = one_at_a_time()
     runs.start("running")

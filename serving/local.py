@@ -177,20 +177,6 @@ class LocalService:
             say(f"metrics (Prometheus): {self.metrics_url()}")
         return self.url
 
-    def redeploy(self, args: dict[str, Any]) -> None:
-        """Deploy the application again with other args on the running cluster (Serve restarts the replicas whose
-        configuration changed) and wait until it is healthy."""
-        from ray import serve
-
-        from serving.app import build_app
-
-        app = build_app(args)  # refuses bad arguments before the running application is touched
-        self.args = args
-        serve.run(app, name=APP_NAME, route_prefix="/")
-        if self.quiet:
-            hush()
-        self._wait_healthy()
-
     def metrics_url(self) -> str:
         """Ray's metrics endpoint on this node, where the service's metrics are exported."""
         import ray

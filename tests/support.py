@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
 import socket
+from collections.abc import Iterable
 
 import httpx
 
@@ -83,3 +85,16 @@ def scrape_sum(url: str, name: str, **tags: str) -> float:
 # The CPU default's own placement: one model replica computing on both cores. The tests that need two (affinity,
 # failover, placement) run on two worker nodes of their own: tests/test_two_nodes.py.
 SERVICE_REPLICAS = {"replicas": {SERVED_MODEL: {"min": 1, "max": 1, "initial": 1}}}
+
+
+def kill_workers(node_ids: Iterable[str]) -> None:
+    """Every process under these Ray nodes' raylets (Serve's replicas and their engines, the coordinators, the
+    controller) killed at once: a test cluster about to go holds nothing worth Serve's graceful shutdown."""
+    import psutil
+
+    from jobs.bench.processes import raylet_of
+
+    raylets = [raylet for node in node_ids if (raylet := raylet_of(node)) is not None]
+    for proc in [child for raylet in raylets for child in raylet.children(recursive=True)]:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.kill()

@@ -37,7 +37,7 @@ import psutil
 import yaml
 
 from jobs.bench.processes import raylet_of, service_processes
-from tests.support import samples, scrape
+from tests.support import kill_workers, samples, scrape
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "smollm2-135m-instruct"
@@ -197,15 +197,12 @@ def run(out: Path, work: Path) -> dict[str, Any]:
 
 
 def tear_down(cluster: Any) -> None:
-    """The nodes' workers (replicas, engines, coordinators, Serve's own) killed at once, then the nodes removed:
-    this cluster holds nothing worth a graceful shutdown (Serve's waits on the lost node's replicas)."""
+    """The nodes' workers killed, then the nodes removed (Serve's graceful shutdown waits on the lost node)."""
     import ray
 
-    raylets = [r for node in cluster.list_all_nodes() if (r := raylet_of(node.node_id)) is not None]
+    nodes = [node.node_id for node in cluster.list_all_nodes()]
     ray.shutdown()
-    for proc in [child for raylet in raylets for child in raylet.children(recursive=True)]:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            proc.kill()
+    kill_workers(nodes)
     cluster.shutdown()
 
 

@@ -114,7 +114,7 @@ def ray_cluster() -> Iterator[None]:
 
 @pytest.fixture(scope="session")
 def service(ray_cluster: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    """The real application, started once for the whole suite (about 60 s): every real-service test shares it.
+    """The real application, started once for the whole suite (one to two minutes): every real-service test shares it.
     One model replica on both cores, as the CPU default runs (two replicas: tests/test_two_nodes.py).
 
     Tests that kill parts of it carry the `destructive` marker and run last. Every request needs a tenant's key

@@ -23,6 +23,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import threading
@@ -215,7 +216,9 @@ def locomo() -> list[dict[str, Any]] | str:
     return list(json.loads(LOCOMO_PATH.read_text()))
 
 
+@functools.cache
 def tokenizer() -> Any:
+    """The CPU default model's real tokenizer, loaded once for both phases that need it."""
     from compaction.tokenizer import HFChatTokenizer
     from serving.weights import model_dir
 

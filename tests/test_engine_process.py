@@ -62,6 +62,9 @@ async def wedge(backend):
 
 
 if __name__ == "__main__":
+    from serving.local import hush
+
+    hush()  # as the benchmarks start their engines: only errors, from this process and the engine's
     model = Path(sys.argv[1])
     kv_bytes = BLOCKS * BLOCK * model_facts(model)["kv_bytes_per_token"]
     backend = VLLMBackend.start(model, max_model_len=1024, block_size=BLOCK, kv_cache_memory_bytes=int(kv_bytes))
@@ -72,21 +75,26 @@ if __name__ == "__main__":
 
 
 @pytest.fixture(scope="module")
-def program(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[subprocess.Popen[str], Any]]:
-    """The program, once it has run the small-cache scenario: (its process, what the scenario returned)."""
+def program(
+    model_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[subprocess.Popen[str], Any, Path]]:
+    """The program, once it has run the small-cache scenario: (its process, what the scenario returned, the file
+    its stderr and its engine's go to)."""
     script = tmp_path_factory.mktemp("engine-process") / "hold_engine.py"
     script.write_text(PROGRAM)
     root = Path(__file__).resolve().parents[1]
     # The KV cache size is the engine argument's: VLLM_CPU_KVCACHE_SPACE (the session engine's) would override it.
     env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
-    env |= {"PYTHONPATH": str(root), "VLLM_LOGGING_LEVEL": "ERROR"}
+    env |= {"PYTHONPATH": str(root)}
     command = [sys.executable, str(script), str(model_path)]
-    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, text=True)
+    errors = script.parent / "stderr"
+    with errors.open("w") as stderr:
+        process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True)
     children: list[psutil.Process] = []
     try:
         assert process.stdout is not None
-        scenario = json.loads(process.stdout.readline() or "null")  # the engine logs to stderr
-        yield process, scenario
+        scenario = json.loads(process.stdout.readline() or "null")
+        yield process, scenario, errors
     finally:
         with contextlib.suppress(psutil.NoSuchProcess):
             children = psutil.Process(process.pid).children(recursive=True)
@@ -96,15 +104,25 @@ def program(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
 
 
 def test_an_agent_request_that_does_not_fit_beside_held_background_work_is_served(
-    program: tuple[subprocess.Popen[str], Any],
+    program: tuple[subprocess.Popen[str], Any, Path],
 ) -> None:
-    _, scenario = program
+    _, scenario, _ = program
     print(scenario)
     assert scenario == {"agent_output_tokens": 8, "background_output_tokens": 120}  # both served, in full
 
 
-def test_a_sigterm_ends_the_engine_process_too(program: tuple[subprocess.Popen[str], Any]) -> None:
-    process, _ = program
+def test_a_hushed_program_and_its_engine_print_nothing_of_their_own_start(
+    program: tuple[subprocess.Popen[str], Any, Path],
+) -> None:
+    """hush() as the benchmarks call it: no library warning (vLLM's about Triton, torch's NUMA binding) reaches the
+    user from the engine's child processes, which start after it."""
+    process, _, errors = program
+    assert process.poll() is None  # started, ran the scenario, still running
+    assert errors.read_text().splitlines() == []
+
+
+def test_a_sigterm_ends_the_engine_process_too(program: tuple[subprocess.Popen[str], Any, Path]) -> None:
+    process, _, _ = program
     assert process.stdout is not None and process.stdout.readline().strip() == "ready"
     children = psutil.Process(process.pid).children(recursive=True)
     assert children, "vLLM runs its engine core in a child process"

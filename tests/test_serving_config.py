@@ -82,8 +82,8 @@ def test_the_local_serve_config_is_valid(ray_cluster: None) -> None:
 def test_the_cpu_engines_run_bf16_only_where_the_cpu_computes_it(tmp_path: Path, flags: str, dtype: str) -> None:
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text(f"processor\t: 0\nmodel name\t: test\n{flags}\n")
-    assert cpu_dtype(cpuinfo) == dtype
-    assert cpu_dtype(tmp_path / "absent") == "float32"
+    assert cpu_dtype(cpuinfo, {}) == dtype  # the flags decide unless COMPACTION_CPU_DTYPE is set
+    assert cpu_dtype(tmp_path / "absent", {}) == "float32"
     assert load_catalogue().get("smollm2-135m-instruct").engine_args()["dtype"] == cpu_dtype()
 
 

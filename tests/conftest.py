@@ -129,14 +129,15 @@ class Ahead:
     def __init__(self) -> None:
         self.threads = ThreadPoolExecutor(2, thread_name_prefix="ahead")
         self.started: dict[str, Future[Any]] = {}
+        self.begun = False
         self.keys = tempfile.TemporaryDirectory(prefix="tenants-")
 
     def begin(self, items: list[pytest.Item]) -> None:
         """Start what the session's tests need, once: Ray here, the engine and the service's replicas in threads."""
-        if self.started:
+        if self.begun:
             return
+        self.begun = True
         names = {name for item in items for name in getattr(item, "fixturenames", ())}
-        self.started["begun"] = settled(lambda: None)
         if "engine" in names and is_ready():
             self.started["engine"] = self.threads.submit(start_engine, model_dir())
         if "ray_cluster" in names:

@@ -41,13 +41,15 @@ def need(item: pytest.Item) -> int:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests that start their own engine in another process run first, before the session's engine and
-    service hold memory (four float32 engines and two Ray clusters at once pass 24 GiB); then the tests that need
-    neither, while the session's engine and service start (`Ahead`); tests that damage the shared service
-    (killing replicas or the coordinator) run after all others. A module's tests stay together (its fixtures are
-    set up once), placed by the most its tests need. A test that needs the CPU default model's files (its real
-    tokenizer) is marked `model`; real-engine and real-service tests are marked `engine` or `ray`:
-    `pytest -m "not (model or engine or ray)"` runs the rest on a clone where the model was never fetched."""
+    """Tests that start their own engine or cluster in other processes run first, before the session's engine and
+    service hold memory (four float32 engines and two Ray clusters at once pass 24 GiB): first the modules whose
+    programs all start side by side as the session begins (`start_ahead`), then the others, alone (they measure
+    times). Then the tests that need neither, while the session's engine and service start (`Ahead`); tests that
+    damage the shared service (killing replicas or the coordinator) run after all others. A module's tests stay
+    together (its fixtures are set up once), placed by the most its tests need. A test that needs the CPU default
+    model's files (its real tokenizer) is marked `model`; real-engine and real-service tests are marked `engine`
+    or `ray`: `pytest -m "not (model or engine or ray)"` runs the rest on a clone where the model was never
+    fetched."""
     module_need: dict[Any, int] = {}
     for item in items:
         if "model_path" in getattr(item, "fixturenames", ()):
@@ -55,6 +57,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         module_need[item.module] = max(module_need.get(item.module, 0), need(item))
     items.sort(
         key=lambda item: (
+            not hasattr(item.module, "start_ahead"),
             item.get_closest_marker("own_engine") is None,
             item.get_closest_marker("destructive") is not None,
             module_need[item.module],
@@ -63,7 +66,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    if item.get_closest_marker("own_engine") is None:
+    AHEAD.begin_programs(item.session.items)
+    if item.get_closest_marker("own_engine") is None and not hasattr(item.module, "start_ahead"):
         AHEAD.begin(item.session.items)
 
 
@@ -131,6 +135,28 @@ class Ahead:
         self.started: dict[str, Future[Any]] = {}
         self.begun = False
         self.keys = tempfile.TemporaryDirectory(prefix="tenants-")
+        self.programs: dict[str, Future[Any]] = {}
+        self.program_threads: ThreadPoolExecutor | None = None
+        self.work = tempfile.TemporaryDirectory(prefix="programs-")
+
+    def begin_programs(self, items: list[pytest.Item]) -> None:
+        """Start, once and side by side, the programs of the selected modules that define `start_ahead(work)`: it is
+        called here (what it reads of this process's environment is read now) and returns the work to run in a
+        thread, whose result `own_program` gives the module. Neither these programs nor their tests measure
+        times, so they share the machine: mostly each is vLLM's or Ray's imports on one core."""
+        if self.program_threads is not None:
+            return
+        modules = {item.module.__name__: item.module for item in items if hasattr(item.module, "start_ahead")}
+        self.program_threads = ThreadPoolExecutor(max(1, len(modules)), thread_name_prefix="program")
+        for name, module in modules.items():
+            work = Path(self.work.name) / name.rpartition(".")[2]
+            work.mkdir()
+            prepared = settled(lambda module=module, work=work: module.start_ahead(work))
+            self.programs[name] = self.program_threads.submit(lambda prepared=prepared: prepared.result()())
+
+    def program(self, module: Any) -> Any:
+        """What the module's program gave (its error raised here), once it has run."""
+        return self.programs[module.__name__].result()
 
     def begin(self, items: list[pytest.Item]) -> None:
         """Start what the session's tests need, once: Ray here, the engine and the service's replicas in threads."""
@@ -166,6 +192,9 @@ class Ahead:
         """End what was started, whether a test used it or not: the engine's processes, then the cluster's workers
         and Ray (the service with them: nothing in it is kept)."""
         self.threads.shutdown(wait=True)
+        if self.program_threads is not None:
+            self.program_threads.shutdown(wait=True)
+        self.work.cleanup()
         engine = self.started.get("engine")
         if engine is not None and engine.exception() is None:
             engine.result().shutdown()
@@ -215,6 +244,12 @@ def locomo() -> list[dict[str, Any]]:
     if not path.exists():
         pytest.skip(f"shared LoCoMo data not found at {path} (set COMPACTION_DATA to its folder)")
     return list(json.loads(path.read_text()))
+
+
+@pytest.fixture(scope="module")
+def own_program(request: pytest.FixtureRequest) -> Any:
+    """What this module's program (its `start_ahead`, started as the session began: `Ahead.begin_programs`) gave."""
+    return AHEAD.program(request.module)
 
 
 @pytest.fixture(scope="session")

@@ -4,8 +4,9 @@ node types' resources of cluster/gcp-h100.yaml (GPUs logically, `accelerator_typ
 the node type the config asks for and never on the head. No GPU and no vLLM engine are needed.
 
 CPU counts are scaled down to this machine; GPU and custom resources are the cluster YAML's, as declared.
-Every node is started in its own process group and killed by group in teardown (never `ray stop`, which would
-stop every Ray cluster on the machine).
+Every node is started in its own process group and killed by group once the driver is done (never `ray stop`,
+which would stop every Ray cluster on the machine). The rehearsal starts as the session begins, beside the other
+programs with engines or clusters of their own (tests/conftest.py `Ahead`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -89,63 +90,58 @@ def leftover_pids(temp_dir: str) -> list[int]:
     return pids
 
 
-@pytest.fixture(scope="module")
-def rehearsal_cluster() -> Iterator[str]:
-    cluster = yaml.safe_load((ROOT / "cluster" / "gcp-h100.yaml").read_text())
-    types = cluster["available_node_types"]
-    temp_dir = tempfile.mkdtemp(prefix="rcl", dir="/tmp")
+def start_ahead(work: Path) -> Callable[[], dict[str, Any]]:
+    """The rehearsal, started as the session begins (tests/conftest.py `Ahead`): the three nodes started, the driver
+    run on them, the nodes killed; the placements the driver wrote."""
+    types = yaml.safe_load((ROOT / "cluster" / "gcp-h100.yaml").read_text())["available_node_types"]
     env = os.environ | {"RAY_AUTH_MODE": "disabled"}
-    address = f"127.0.0.1:{GCS_PORT}"
-    groups: list[int] = []
+    driver_env = env | {"PYTHONPATH": str(ROOT)}
+    out = work / "placements.json"
 
-    try:
-        for node_type in ("head", "gpu-h100x2-nvlink", "gpu-h100x1"):  # one at a time: at once overloads the GCS
-            if node_type == "head":
-                where = [f"--port={GCS_PORT}", "--head", "--include-dashboard=false", f"--temp-dir={temp_dir}"]
-                where += ["--ray-client-server-port=18201", "--dashboard-port=18208"]
-            else:
-                where = [f"--address={address}"]
-            log = open(Path(temp_dir) / f"{node_type}.log", "w")  # noqa: SIM115 - handed to the child
-            proc = subprocess.Popen(
-                [RAY, "start", *where, *node_args(node_type, types[node_type]["resources"])],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-                start_new_session=True,
+    def run() -> dict[str, Any]:
+        temp_dir = tempfile.mkdtemp(prefix="rcl", dir="/tmp")
+        address = f"127.0.0.1:{GCS_PORT}"
+        groups: list[int] = []
+        try:
+            for node_type in ("head", "gpu-h100x2-nvlink", "gpu-h100x1"):  # one at a time: at once overloads the GCS
+                if node_type == "head":
+                    where = [f"--port={GCS_PORT}", "--head", "--include-dashboard=false", f"--temp-dir={temp_dir}"]
+                    where += ["--ray-client-server-port=18201", "--dashboard-port=18208"]
+                else:
+                    where = [f"--address={address}"]
+                log = Path(temp_dir) / f"{node_type}.log"
+                with log.open("w") as written:
+                    proc = subprocess.Popen(
+                        [RAY, "start", *where, *node_args(node_type, types[node_type]["resources"])],
+                        stdout=written,
+                        stderr=subprocess.STDOUT,
+                        env=env,
+                        start_new_session=True,
+                    )
+                groups.append(proc.pid)
+                if proc.wait(timeout=180) != 0:
+                    raise RuntimeError(f"ray start for {node_type} failed: {log.read_text()}")
+            command = [sys.executable, str(ROOT / "tests" / "cluster_rehearsal.py"), "--address", address]
+            driver = subprocess.run(
+                [*command, "--out", str(out)], cwd=ROOT, env=driver_env, capture_output=True, text=True, timeout=600
             )
-            groups.append(proc.pid)
-            if proc.wait(timeout=180) != 0:
-                pytest.fail(f"ray start for {node_type} failed: {(Path(temp_dir) / f'{node_type}.log').read_text()}")
-        yield address
-    finally:
-        for pgid in reversed(groups):
-            kill_group(pgid)
-        for pid in leftover_pids(temp_dir):
-            os.kill(pid, signal.SIGKILL)
-        shutil.rmtree(temp_dir, ignore_errors=True)
+            if driver.returncode != 0:
+                raise RuntimeError(f"the rehearsal's driver failed: {driver.stderr[-4000:]}")
+            result: dict[str, Any] = json.loads(out.read_text())
+            return result
+        finally:
+            for pgid in reversed(groups):
+                kill_group(pgid)
+            for pid in leftover_pids(temp_dir):
+                os.kill(pid, signal.SIGKILL)
+            shutil.rmtree(temp_dir, ignore_errors=True)
+
+    return run
 
 
 @pytest.fixture(scope="module")
-def placements(rehearsal_cluster: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    out = tmp_path_factory.mktemp("rehearsal") / "placements.json"
-    driver = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "tests" / "cluster_rehearsal.py"),
-            "--address",
-            rehearsal_cluster,
-            "--out",
-            str(out),
-        ],
-        cwd=ROOT,
-        env=os.environ | {"RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(ROOT)},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert driver.returncode == 0, driver.stderr[-4000:]
-    result: dict[str, Any] = json.loads(out.read_text())
-    return result
+def placements(own_program: dict[str, Any]) -> dict[str, Any]:
+    return own_program
 
 
 def test_the_rehearsal_cluster_has_the_three_node_types(placements: dict[str, Any]) -> None:

@@ -1,6 +1,7 @@
-"""An engine of its own, in a program of its own, started once for two checks: with a deliberately small KV cache
-an agent request that does not fit beside a held background request is still served (no wedge), and the
-engine's processes end with the program that started it, a SIGTERM included."""
+"""An engine of its own, in a program of its own, started once (as the session begins) for three checks: with a
+deliberately small KV cache an agent request that does not fit beside a held background request is still served
+(no wedge); the program, hushed, and its engine print nothing of their start; the engine's processes end with the
+program that started it, a SIGTERM included."""
 
 from __future__ import annotations
 
@@ -10,12 +11,14 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import psutil
 import pytest
+
+from serving.weights import model_dir
 
 pytestmark = [pytest.mark.engine, pytest.mark.own_engine]
 
@@ -74,28 +77,35 @@ if __name__ == "__main__":
 '''
 
 
-@pytest.fixture(scope="module")
-def program(
-    model_path: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[subprocess.Popen[str], Any, Path]]:
-    """The program, once it has run the small-cache scenario: (its process, what the scenario returned, the file
-    its stderr and its engine's go to)."""
-    script = tmp_path_factory.mktemp("engine-process") / "hold_engine.py"
+def start_ahead(work: Path) -> Callable[[], tuple[subprocess.Popen[str], Any, Path]]:
+    """The program, started as the session begins (tests/conftest.py `Ahead`), once it has run the small-cache
+    scenario: (its process, what the scenario returned, the file its stderr and its engine's go to)."""
+    script = work / "hold_engine.py"
     script.write_text(PROGRAM)
     root = Path(__file__).resolve().parents[1]
     # The KV cache size is the engine argument's: VLLM_CPU_KVCACHE_SPACE (the session engine's) would override it.
     env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
     env |= {"PYTHONPATH": str(root)}
-    command = [sys.executable, str(script), str(model_path)]
-    errors = script.parent / "stderr"
-    with errors.open("w") as stderr:
-        process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True)
-    children: list[psutil.Process] = []
-    try:
+    command = [sys.executable, str(script), str(model_dir())]
+    errors = work / "stderr"
+
+    def run() -> tuple[subprocess.Popen[str], Any, Path]:
+        with errors.open("w") as stderr:
+            process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True)
         assert process.stdout is not None
-        scenario = json.loads(process.stdout.readline() or "null")
-        yield process, scenario, errors
+        return process, json.loads(process.stdout.readline() or "null"), errors
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def program(model_path: Path, own_program: Any) -> Iterator[tuple[subprocess.Popen[str], Any, Path]]:
+    """The program of `start_ahead`, ended with its engine's processes after the module's tests."""
+    process = own_program[0]
+    try:
+        yield own_program
     finally:
+        children: list[psutil.Process] = []
         with contextlib.suppress(psutil.NoSuchProcess):
             children = psutil.Process(process.pid).children(recursive=True)
         for leftover in [*children, process]:

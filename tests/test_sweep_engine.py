@@ -1,4 +1,5 @@
-"""Sweeps on the real CPU model: the whole CLI through a local Ray with the engine actor.
+"""Sweeps on the real CPU model: the whole CLI through a local Ray with the engine actor (the first sweep started
+as the session begins, beside the other programs with engines of their own).
 
 The service path (cells against an OpenAI-compatible server) runs in tests/test_chat_sweep.py and
 tests/test_openai_backend.py."""
@@ -9,6 +10,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -39,22 +41,39 @@ MC = {
 }
 
 
+def sweep_cli(work: Path, *extra: str) -> Callable[[], None]:
+    """`python jobs/sweep.py` on the MC config as a user runs it: its own local Ray, whatever this test process
+    holds (the environment is read now)."""
+    config = work / "mc.yaml"
+    config.write_text(yaml.safe_dump(MC))
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    cmd = [sys.executable, "jobs/sweep.py", "--config", str(config), "--results", str(work / "results"), *extra]
+
+    def run() -> None:
+        subprocess.run(cmd, cwd=REPO_ROOT, env=env, check=True, timeout=1200)
+
+    return run
+
+
+def start_ahead(work: Path) -> Callable[[], Path]:
+    """The first sweep, started as the session begins (tests/conftest.py `Ahead`): its folder once it has run."""
+    first = sweep_cli(work, "--num-cpus", "2")
+
+    def run() -> Path:
+        began = time.perf_counter()
+        first()
+        print(f"sweep of 1 MC cell on the real engine: {time.perf_counter() - began:.0f} s")
+        return work
+
+    return run
+
+
 @pytest.mark.ray
 @pytest.mark.engine
 @pytest.mark.own_engine
-def test_cli_runs_cells_on_the_engine_actor_and_skips_them_next_time(tmp_path: Path) -> None:
-    def sweep_cli(*extra: str) -> None:
-        """`python jobs/sweep.py` as a user runs it: its own local Ray, whatever this test process holds."""
-        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-        cmd = [sys.executable, "jobs/sweep.py", "--config", str(config), "--results", str(results), *extra]
-        subprocess.run(cmd, cwd=REPO_ROOT, env=env, check=True, timeout=1200)
-
-    config = tmp_path / "mc.yaml"
-    config.write_text(yaml.safe_dump(MC))
-    results = tmp_path / "results"
-    began = time.perf_counter()
-    sweep_cli("--num-cpus", "2")
-    print(f"\nsweep of 1 MC cell on the real engine: {time.perf_counter() - began:.0f} s")
+def test_cli_runs_cells_on_the_engine_actor_and_skips_them_next_time(model_path: Path, own_program: Path) -> None:
+    work = own_program
+    results = work / "results"
     table = ResultStore(results).read()
     counts = integrity(table)
     assert counts["cells"] == 1 and counts["duplicate_rows"] == 0 and counts["agent_cells_with_turn_gaps"] == 0
@@ -64,6 +83,6 @@ def test_cli_runs_cells_on_the_engine_actor_and_skips_them_next_time(tmp_path: P
     assert max(r["compaction_count"] for r in episodes) >= 1 and all(r["cold_start"] for r in rows)
     answers = [r for r in rows if r["step"] == "question"]
     assert all(r["answer_output_tokens"] > 0 and r["mc_correct"] is not None for r in answers)
-    sweep_cli()  # nothing left to run: no Ray, no engine
+    sweep_cli(work)()  # nothing left to run: no Ray, no engine
     assert ResultStore(results).read().num_rows == table.num_rows
-    assert (write_report(results, tmp_path / "report")).exists()
+    assert (write_report(results, work / "report")).exists()

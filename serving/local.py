@@ -154,6 +154,8 @@ class LocalService:
             hush()  # before serving.app imports ray.serve.llm and vLLM, which log as they load
         from serving.app import build_app, parse_args
 
+        if self.quiet:
+            hush()  # the loggers ray.serve.llm made as it loaded (its builder's prints the deployment options)
         parse_args(self.args)  # refuse bad arguments before starting anything
         if not ray.is_initialized():
             self._own_ray = True

@@ -182,10 +182,10 @@ def run(out: Path, work: Path) -> dict[str, Any]:
         began = time.monotonic()
         service.start()
         figures["service_up_s"] = round(time.monotonic() - began, 1)
-        engines = [p for p in service_processes() if p.role == "engine"]
-        figures["replica_nodes"] = sorted(
-            {p.node_id for p in service_processes() if p.role == "replica"} & {w.node_id for w in workers}
-        )
+        # This cluster's worker nodes only: other engines may run on the machine (another program's, `make serve`).
+        on_workers = [p for p in service_processes() if p.node_id in {w.node_id for w in workers}]
+        engines = [p for p in on_workers if p.role == "engine"]
+        figures["replica_nodes"] = sorted({p.node_id for p in on_workers if p.role == "replica"})
         figures["engine_cores"] = sorted({tuple(psutil.Process(p.pid).cpu_affinity()) for p in engines})
         conversations = locomo()
         figures["affinity"] = phase("affinity", lambda: affinity(service.url, conversations))

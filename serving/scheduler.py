@@ -93,7 +93,7 @@ class Yielding(Scheduler):
 def end_with_parent(grace_s: float = 30.0) -> None:
     """End this engine-core process once the process that started it is gone, however it went.
 
-    vLLM runs its engine core (and that its workers) in processes of their own, which outlive a parent killed
+    vLLM runs its engine core, and the core its workers, in processes of their own, which outlive a parent killed
     by SIGKILL (a replica killed, the OOM killer, `ray stop --force`), holding the engine's memory (3 GiB for the
     CPU default model) until someone finds them. The core's SIGTERM handler shuts the engine down, its workers
     with it; past `grace_s` the process exits regardless. Nothing is watched where the core runs in the serving

@@ -182,7 +182,6 @@ async def test_abandoned_compactions_stop_on_the_engines(service: LocalService, 
 def test_the_engines_run_without_onednns_global_primitive_cache(client: httpx.Client) -> None:
     """Every engine process of the service's replicas has the CPU engines' environment (serving.models
     CPU_ENGINE_ENV): without it, an engine serving prompts of every length grows with each new batch shape."""
-
     assert client.get("/healthz").status_code == 200
     engines = [p for p in service_processes() if p.role == "engine" and p.node_id is not None]
     assert engines, "the service's replicas run their engines in processes of their own"

@@ -8,7 +8,9 @@ is unchanged up to that end, the prompt is the same and so is its summary.
 Two lookups, both keyed by a scope (the options that shape a summary):
 - `borders`: from the start of the compactable span, the chain of chunks summarised before
   whose history prefix is unchanged. Planning keeps those borders, so the old chunks reappear
-  exactly and only the new material is partitioned afresh.
+  exactly and only the new material is partitioned afresh. A chunk put as `last` (a rolling run's
+  guess at the span the next compaction ends with) is a border only where that span ends: never
+  one that cuts a longer span differently from a plan made without it.
 - `get`: the summary of one chunk, only if its prompt is token-for-token the one cached (a
   different layout, window or tail is a miss).
 
@@ -36,8 +38,8 @@ from compaction.partition import Chunk
 from compaction.result import ChunkStats
 from compaction.views import PrefixDigests, TokenView
 
-# Options that do not change a chunk's summary once its prompt is fixed.
-_UNSCOPED = frozenset({"keep_recent_tokens", "carry_summary_tokens", "reuse_chunks"})
+# Options that do not change a chunk's summary once its prompt is fixed (they only move the span's ends).
+_UNSCOPED = frozenset({"keep_recent_tokens", "keep_current_turn", "carry_summary_tokens", "reuse_chunks"})
 
 
 def digest(token_ids: Sequence[int]) -> str:
@@ -61,6 +63,7 @@ class CachedChunk:
     text: str  # the summary spliced into the compacted history (after every check and fallback)
     stats: ChunkStats  # the original run's figures; a reuse reports none of its work
     prompt: str  # digest of the exact prompt; a reuse needs the same prompt
+    last: bool = False  # a plan's last chunk, summarised ahead of it: reused only as the last chunk of a span
 
 
 _Key = tuple[str, str, int, str]  # (scope, digest of history[:start], end, digest of history[:end])
@@ -110,12 +113,16 @@ class ChunkCache:
             while at < end:
                 head = self._prefix(ids, at)
                 ends = sorted({k[2] for k in self._from.get((scope, head), ()) if at < k[2] <= end}, reverse=True)
-                found = next((e for e in ends if (scope, head, e, self._prefix(ids, e)) in self._entries), None)
+                found = next((e for e in ends if self._border(scope, head, e, ids, end)), None)
                 if found is None:
                     break
                 chain.append(found)
                 at = found
         return chain
+
+    def _border(self, scope: str, head: str, at: int, ids: Sequence[int], end: int) -> bool:
+        entry = self._entries.peek((scope, head, at, self._prefix(ids, at)))
+        return entry is not None and (not entry.last or at == end)
 
     def key(self, scope: str, ids: Sequence[int], chunk: Chunk, prompt: Sequence[int]) -> tuple[str, ...]:
         """The identity of one chunk prompt: what `get` would find it under, and the prompt's own digest."""
@@ -131,18 +138,20 @@ class ChunkCache:
             return self._entries.get(key)
 
     def put(
-        self, scope: str, ids: Sequence[int], chunk: Chunk, prompt: Sequence[int], text: str, stats: ChunkStats
+        self,
+        scope: str,
+        ids: Sequence[int],
+        chunk: Chunk,
+        prompt: Sequence[int],
+        text: str,
+        stats: ChunkStats,
+        last: bool = False,
     ) -> None:
         with self._lock:
-            self._put(scope, ids, chunk, prompt, text, stats)
-
-    def _put(
-        self, scope: str, ids: Sequence[int], chunk: Chunk, prompt: Sequence[int], text: str, stats: ChunkStats
-    ) -> None:
-        start = self._prefix(ids, chunk.start)
-        key = (scope, start, chunk.end, self._prefix(ids, chunk.end))
-        self._from.setdefault((scope, start), set()).add(key)
-        self._entries.put(key, CachedChunk(text, stats, digest(prompt)))
+            start = self._prefix(ids, chunk.start)
+            key = (scope, start, chunk.end, self._prefix(ids, chunk.end))
+            self._from.setdefault((scope, start), set()).add(key)
+            self._entries.put(key, CachedChunk(text, stats, digest(prompt), last))
 
     def _forget(self, key: _Key, entry: CachedChunk) -> None:
         """An evicted entry leaves the index of chunks by their start."""

@@ -92,11 +92,13 @@ class Compactor:
         messages: Sequence[Message | Mapping[str, Any]],
         options: CompactionOptions | Mapping[str, Any] | None,
         namespace: str = "",
+        prefer_tail_from: int | None = None,
     ) -> CompactionPlan:
         """Stage 3 (`compaction.plan`): validate, render once, partition and lay out. Raises InvalidInput naming
-        the problem. `namespace` (a tenant): chunk summaries are reused only within it."""
+        the problem. `namespace` (a tenant): chunk summaries are reused only within it; `prefer_tail_from`: where
+        the kept tail may start instead (`compaction.plan.kept_ends`)."""
         planner = Planner(self.tokenizer, self.context_window, self.block_size, self.cache, self.limits)
-        return planner.plan(messages, options, namespace)
+        return planner.plan(messages, options, namespace, prefer_tail_from)
 
     async def compact(
         self,
@@ -130,20 +132,23 @@ class Compactor:
         backend: Backend | None = None,
         sent: asyncio.Event | None = None,
         keep_fallbacks: bool = True,
+        ahead: bool = False,
     ) -> dict[int, _Kept]:
         """The summaries of these chunks of a plan, all sent at once; from the chunk cache where it has them.
         If any chunk fails for good, the error propagates and the other requests are cancelled. `sent` is set
         once every chunk's prompt is in flight (another run of the same prompts then joins them);
         `keep_fallbacks` False: a chunk that fell back (no model summary passed the checks) is not put in the
-        chunk cache, so the next compaction asks the model again."""
+        chunk cache, so the next compaction asks the model again; `ahead`: the plan is a guess at a later
+        compaction's (a rolling run's), so its last chunk is kept as one that only ends a span (`ChunkCache.put`)."""
         keys = list(routes) if routes is not None else [None] * len(plan.prompts)
         target = backend or self.backend
         wanted = list(chunks)
         reused = {k: hit for k in wanted if (hit := self._cached(plan, k)) is not None}
+        last = len(plan.chunks) - 1 if ahead else None
         try:
             async with asyncio.TaskGroup() as group:
                 tasks = {
-                    k: group.create_task(self._summarise_and_keep(target, plan, k, keys[k], keep_fallbacks))
+                    k: group.create_task(self._summarise_and_keep(target, plan, k, keys[k], keep_fallbacks, k == last))
                     for k in wanted
                     if k not in reused
                 }
@@ -154,17 +159,24 @@ class Compactor:
             raise failed.exceptions[0] from None
         return {k: reused[k] if k in reused else tasks[k].result() for k in wanted}
 
-    def whole_chunks(self, plan: CompactionPlan) -> list[int]:
+    def whole_chunks(self, plan: CompactionPlan, last: bool = False) -> list[int]:
         """The chunks that end at a border of B tokens, not at the span's end: every later compaction of the same
         history, grown at its end, cuts and prompts them the same (the rolling background summaries,
-        `serving.background`). Only with the prefix-exact layout (the other layouts' prompts move as it grows) and
-        a chunk cache to keep them in."""
+        `serving.background`); with `last`, the one that ends the span too (the same only for a compaction whose
+        span ends there). Only with the prefix-exact layout (the other layouts' prompts move as it grows) and a
+        chunk cache to keep them in."""
         kept = self.cache is not None and plan.options.reuse_chunks
         stable = kept and plan.options.strategy == "parallel" and plan.options.layout == "prefix_exact"
-        return list(range(len(plan.chunks) - 1)) if stable else []
+        return list(range(len(plan.chunks) - (0 if last else 1))) if stable else []
 
     async def _summarise_and_keep(
-        self, backend: Backend, plan: CompactionPlan, k: int, route: str | None, keep_fallbacks: bool = True
+        self,
+        backend: Backend,
+        plan: CompactionPlan,
+        k: int,
+        route: str | None,
+        keep_fallbacks: bool = True,
+        last: bool = False,
     ) -> tuple[ChunkStats, str]:
         """Chunk k's summary, put in the chunk cache the moment it is done: a run cancelled (its deadline, a
         client gone, a turn that escalates it) or failed in another chunk leaves its finished chunks reusable.
@@ -186,7 +198,7 @@ class Compactor:
         try:
             stats, text = await self._summarise(backend, plan, k, route)
             if keep_fallbacks or stats.status not in FALLBACKS:
-                self.cache.put(plan.scope, plan.history.token_ids, prompt.chunk, prompt.view, text, stats)
+                self.cache.put(plan.scope, plan.history.token_ids, prompt.chunk, prompt.view, text, stats, last)
             mine.done.set_result((stats, text))
             return stats, text
         finally:

@@ -25,6 +25,7 @@ from compaction.render import RenderedHistory, render_history, token_floor
 from compaction.tokenizer import ChatTokenizer
 
 SUMMARY_HEADER = "Summary of the earlier conversation (compacted):"
+PREFER_SLACK_SHARE = 0.25  # a preferred kept tail may keep this share of keep_recent_tokens more than the options
 
 
 def is_summary(message: Message) -> bool:
@@ -67,9 +68,10 @@ class Planner:
         messages: Sequence[Message | Mapping[str, Any]],
         options: CompactionOptions | Mapping[str, Any] | None,
         namespace: str = "",
+        prefer_tail_from: int | None = None,
     ) -> CompactionPlan:
         """Validate, render once, partition and lay out. Raises InvalidInput naming the problem. `namespace`
-        (a tenant): chunk summaries are reused only within it."""
+        (a tenant): chunk summaries are reused only within it; `prefer_tail_from`: see `kept_ends`."""
         opts = CompactionOptions.parse(options)
         parsed = parse_messages(messages)
         check_history(parsed)
@@ -78,7 +80,7 @@ class Planner:
         history = render_history(parsed, self.tokenizer)
         if self.limits is not None:
             self.limits.check_history(len(history.token_ids))
-        system, head, summaries, tail_from = kept_ends(history, opts)
+        system, head, summaries, tail_from = kept_ends(history, opts, prefer_tail_from)
         marked = marked_to_keep(history.messages[head:tail_from])
         check_kept(marked, self.tokenizer, self.context_window)
         starts = (*history.message_starts, len(history.token_ids))
@@ -135,11 +137,16 @@ class Planner:
         return chunks
 
 
-def kept_ends(history: RenderedHistory, opts: CompactionOptions) -> tuple[int, int, int, int]:
+def kept_ends(
+    history: RenderedHistory, opts: CompactionOptions, prefer_tail_from: int | None = None
+) -> tuple[int, int, int, int]:
     """(system messages, messages kept at the head, end of the earlier summaries, first recent message kept).
 
     Whole messages only. The head is the leading system messages, then the summaries of earlier
     compactions while together they fit `carry_summary_tokens` (else they are summarised again).
+    `prefer_tail_from`: the kept tail starts at this message instead when that keeps at most
+    PREFER_SLACK_SHARE of keep_recent_tokens more (a rolling session's compaction at its threshold: its
+    last run summarised the span up to there ahead, `serving.background`); never less than the options keep.
     """
     count = len(history.messages)
     starts = (*history.message_starts, len(history.token_ids))
@@ -162,6 +169,10 @@ def kept_ends(history: RenderedHistory, opts: CompactionOptions) -> tuple[int, i
         users = [i for i in range(head, count) if history.messages[i].role == "user"]
         tail_from = min(tail_from, users[-1]) if users else tail_from
     tail_from = turn_start(history.messages, tail_from, head)
+    slack = opts.keep_recent_tokens * PREFER_SLACK_SHARE
+    prefer = tail_from if prefer_tail_from is None else prefer_tail_from
+    if head < prefer < tail_from and starts[tail_from] - starts[prefer] <= slack:
+        tail_from = turn_start(history.messages, prefer, head)
     if tail_from == head:
         field = "keep_current_turn" if opts.keep_current_turn else "keep_recent_tokens"
         message = f"keeps the whole history verbatim ({keep} recent tokens); nothing to compact"

@@ -16,8 +16,12 @@ and the turn's rendered prompt of P tokens is handled by `decide`:
     P >  compact_threshold, background under way  -> wait for what is left of it (at the agent's priority)
     P >  compact_threshold, nothing usable        -> compact now (blocking), the current turn kept verbatim
 With apply_background "rolling" the background work is chunk summaries for the chunk cache, never a result
-to splice: below the threshold a run starts (as above) and again each time a whole chunk's worth of history
-has become final since the last; past it the turn compacts as a blocking one would, joining the run in flight.
+to splice: below the threshold a run starts (as above), again each time a whole chunk's worth of history
+has become final since the last (each looking one turn of G ahead), and at the last turn before the
+threshold (one more turn of G would pass it), whose run summarises the whole history, its last chunk too;
+past the threshold the turn compacts as a blocking one would, taking the rolled summaries and joining the
+run in flight; its kept turns start where that last run ended when that keeps at most a quarter of
+keep_recent_tokens more, so it finds every chunk summarised.
 The protocol is stateless: the client keeps `compaction.messages + history[replaces_through:]`.
 A background snapshot is the request's whole message list; a later turn can use its result only
 if its own history still starts with exactly those messages (`Snapshot.covers`).
@@ -237,10 +241,16 @@ def _rolling(
     idle_s: float | None, fresh: int,
 ) -> Action:  # fmt: skip
     """apply_background "rolling": past the threshold, compact as blocking would (after what the run in flight has
-    left, at the agent's priority); below it, roll on once a whole new chunk has become final since the last run."""
+    left, at the agent's priority); below it, roll on once a whole new chunk has become final since the last run,
+    and at every turn after which one more like it would pass the threshold, however short the agent's idle
+    times (so every chunk the threshold's compaction takes is summarised, or in flight, when it comes)."""
     if tokens > entry.compact_threshold:
         return "wait" if background == "running" else "compact"
-    if background == "running" or not has_session or not wants_background(tokens, growth, entry, idle_s):
+    if background == "running" or not has_session or entry.background_threshold is None:
+        return "none"
+    if tokens + growth > entry.compact_threshold and (background == "absent" or fresh > 0):
+        return "start_background"  # the last turn before it, idle or not: its run is the threshold's own work
+    if not wants_background(tokens, growth, entry, idle_s):
         return "none"
     return "start_background" if background == "absent" or fresh >= entry.chunk_tokens else "none"
 

@@ -89,6 +89,7 @@ class _Running:
     tokens: int = 0  # the snapshot's prompt tokens
     rolling: bool = False  # summaries for the chunk cache (apply_background "rolling"), never spliced
     sent: asyncio.Event = field(default_factory=asyncio.Event)  # rolling: its chunk prompts are in flight
+    last: bool = False  # rolling: the last turn's run, which summarised its whole snapshot (`SessionCompactions._job`)
 
     def state(self, digests: Sequence[str], turn: ChatTurn) -> Background:
         if self.made_for != _made_for(turn) or not self.snapshot.covers(digests):
@@ -160,6 +161,8 @@ class SessionCompactions:
             return TurnCompaction(status=status, prompt_tokens=turn.prompt_tokens)
         note = None
         result: ServiceResult | int | None = None
+        ahead = running is not None and running.last and state in ("running", "done")
+        prefer = running.snapshot.length if running is not None and ahead else None  # where its summaries end
         if running is not None and running.rolling and state == "running":
             running.urgent.set()  # its prompts go on at the agent's priority; the compaction below joins them
             sent = asyncio.ensure_future(running.sent.wait())
@@ -175,7 +178,7 @@ class SessionCompactions:
             result = None
         source: Literal["background", "blocking"] = "background" if result is not None else "blocking"
         try:
-            return await self._apply(turn, tokenizer, result, source, began, note)
+            return await self._apply(turn, tokenizer, result, source, began, note, prefer)
         except CompactionError as exc:
             return self._unapplied(turn, exc, note)
 
@@ -216,8 +219,9 @@ class SessionCompactions:
     def _start(self, turn: ChatTurn, messages: Sequence[Message], digests: Sequence[str], tokens: int) -> None:
         session = turn.session_id or ""
         urgent = asyncio.Event()
-        job = self._job(turn, [_lean_message(m) for m in messages], "background")
         roll = self._roll if turn.entry.apply_background == "rolling" else None
+        last = roll is not None and tokens + turn.growth > turn.entry.compact_threshold  # the last turn before it
+        job = self._job(turn, [_lean_message(m) for m in messages], "background", last)
         sent = asyncio.Event()
         work: Callable[[], Coroutine[Any, Any, ServiceResult | int]]
         work = (lambda: roll(job, urgent, sent)) if roll is not None else (lambda: self._compact(job, urgent))
@@ -240,6 +244,7 @@ class SessionCompactions:
             tokens,
             rolling=roll is not None,
             sent=sent,
+            last=last,
         )
         compaction.add_done_callback(lambda task: _measure(running, task))
         sessions.put(session, running)
@@ -282,10 +287,11 @@ class SessionCompactions:
         source: Literal["background", "blocking"],
         began: float,
         note: str | None,
+        prefer: int | None = None,
     ) -> TurnCompaction:
         """Splice a finished compaction (or make one now); compact again if the splice still crosses the threshold."""
         if result is None:
-            result = await self._compact(self._job(turn, turn.messages), asyncio.Event())
+            result = await self._compact(self._job(turn, turn.messages, prefer=prefer), asyncio.Event())
             if turn.entry.apply_background == "rolling" and result.stats.reused_chunks:
                 source = "background"  # made of summaries rolled in the background (and the chunks that were not)
         head, through = result.messages[: result.kept_head + 1], result.replaces_through
@@ -321,15 +327,27 @@ class SessionCompactions:
         return TurnCompaction(status="none", prompt_tokens=turn.prompt_tokens, note=why)
 
     @staticmethod
-    def _job(turn: ChatTurn, messages: Sequence[Message], priority: Priority = "agent") -> CompactJob:
+    def _job(
+        turn: ChatTurn,
+        messages: Sequence[Message],
+        priority: Priority = "agent",
+        last: bool = False,
+        prefer: int | None = None,
+    ) -> CompactJob:
         """A compaction of `messages` with the turn's options. A background snapshot keeps `growth` fewer recent
         tokens verbatim: at least one more turn (about that long) stays verbatim after it by the time it is applied,
-        so the prompt it leaves keeps about keep_recent_tokens, as a blocking compaction's does. (A rolling run
-        keeps blocking's: its chunks are those that stay final until the threshold.)"""
+        so the prompt it leaves keeps about keep_recent_tokens, as a blocking compaction's does. A rolling run
+        looks as far ahead: its whole chunks are those a blocking compaction one such turn later compacts, so
+        the turn that crosses the threshold finds them summarised (a turn shorter than `growth` leaves its last
+        chunk to the threshold's compaction, which cuts it shorter). `last`: the rolling run of the turn after which
+        one more such turn passes the threshold; it summarises the whole history, its last chunk too, so the
+        compaction at the threshold finds every chunk done if it keeps the turns after these messages verbatim
+        (`prefer`: their count, `compaction.plan.kept_ends`)."""
         options = turn.entry.options()
-        if priority == "background" and turn.entry.apply_background != "rolling":
-            keep = max(0, options.keep_recent_tokens - turn.growth)
-            options = options.model_copy(update={"keep_recent_tokens": keep})
+        if priority == "background":
+            keep = 0 if last else max(0, options.keep_recent_tokens - turn.growth)
+            update: dict[str, Any] = {"keep_recent_tokens": keep}
+            options = options.model_copy(update={**update, "keep_current_turn": False} if last else update)
         return CompactJob(
             model=turn.model,
             messages=list(messages),
@@ -338,6 +356,8 @@ class SessionCompactions:
             priority=priority,
             tenant=turn.tenant,
             cache_salt=turn.cache_salt,
+            roll_last=last,
+            prefer_tail_from=prefer,
         )
 
 

@@ -72,6 +72,8 @@ class CompactJob(BaseModel):
     priority: Priority = "agent"  # background: its prompts yield to agent turns on the engines (compaction.pacing)
     tenant: str = DEFAULT_TENANT  # whose it is: dedup, the chunk-summary cache and sessions are per tenant
     cache_salt: str | None = None  # the tenant's prefix-cache salt on the engines (serving.tenants); None: unsalted
+    roll_last: bool = False  # a rolling run (`Coordinator.roll`) summarises the plan's last chunk too
+    prefer_tail_from: int | None = None  # the kept tail may start at this message instead (compaction.plan.kept_ends)
 
     def key(self) -> tuple[str, str, str | None, str]:
         """Identity for de-duplication: the same tenant's session asking for the same compaction (deadline aside)."""
@@ -171,7 +173,7 @@ class AdmissionConfig(BaseModel):
 
 def _plan(compactor: Compactor, job: CompactJob) -> tuple[CompactionPlan, int]:
     """The job's plan and how many of its chunks the chunk cache already holds (run in a worker thread)."""
-    plan = compactor.plan(job.messages, job.options, namespace=job.tenant)
+    plan = compactor.plan(job.messages, job.options, namespace=job.tenant, prefer_tail_from=job.prefer_tail_from)
     return plan, len(compactor.reusable(plan))
 
 
@@ -179,7 +181,7 @@ def _whole_chunks_to_do(compactor: Compactor, job: CompactJob) -> tuple[Compacti
     """The job's plan and its whole chunks that the chunk cache does not hold yet (run in a worker thread)."""
     plan = compactor.plan(job.messages, job.options, namespace=job.tenant)
     cached = compactor.reusable(plan)
-    return plan, [k for k in compactor.whole_chunks(plan) if k not in cached]
+    return plan, [k for k in compactor.whole_chunks(plan, job.roll_last) if k not in cached]
 
 
 class Coordinator:
@@ -247,10 +249,11 @@ class Coordinator:
     async def roll(
         self, job: CompactJob, urgent: asyncio.Event | None = None, sent: asyncio.Event | None = None
     ) -> int:
-        """Summarise the whole chunks of the job's history into the chunk cache, at the job's priority (raised to
-        the agent's once `urgent` is set), and merge nothing: a rolling background run, whose summaries the
-        compaction at the threshold takes from the cache, or joins while in flight (`sent` is set once they
-        are). Returns how many chunks it summarised; raises a CompactionError like `compact`."""
+        """Summarise the whole chunks of the job's history into the chunk cache (with `roll_last`, its last chunk
+        too), at the job's priority (raised to the agent's once `urgent` is set), and merge nothing: a rolling
+        background run, whose summaries the compaction at the threshold takes from the cache, or joins while in
+        flight (`sent` is set once they are). Returns how many chunks it summarised; raises a CompactionError like
+        `compact`."""
         runtime = self.runtime(job.model)
         timeout = job.timeout_s or self.admission.timeout_s
         try:
@@ -274,7 +277,8 @@ class Coordinator:
             placement = await asyncio.to_thread(place, shape, job.placement, runtime.cost)
             backend = Escalation(Salted(compactor.backend, job.cache_salt), PRIORITIES[job.priority], urgent)
             # A chunk whose summary fell back is not kept: the compaction at the threshold asks the model again.
-            await compactor.summarise(plan, todo, placement.routes(), backend, sent=sent, keep_fallbacks=False)
+            routes = placement.routes()
+            await compactor.summarise(plan, todo, routes, backend, sent=sent, keep_fallbacks=False, ahead=job.roll_last)
         return len(todo)
 
     def refresh_gauges(self) -> None:

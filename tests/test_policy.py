@@ -173,4 +173,11 @@ def test_rolling_compacts_at_the_threshold_as_blocking_would_and_rolls_on_each_n
     assert decide(2600, rolling, "done", True, fresh=500) == "none"
     assert decide(2700, rolling, "done", True, fresh=600) == "start_background"
     assert decide(2700, rolling, "failed", True, fresh=600) == "start_background"
+    # The last turn before the threshold rolls whatever became final, so that turn's chunks are ready at it.
+    assert decide(3700, rolling, "done", True, growth=400, fresh=100) == "start_background"
+    assert decide(3700, rolling, "done", True, growth=400, fresh=0) == "none"
+    assert decide(3500, rolling, "done", True, growth=400, fresh=100) == "none"
+    # An agent that leaves the engine no idle time rolls only there: that run is the threshold's own work.
+    assert decide(2700, rolling, "done", True, growth=400, idle_s=0.1, fresh=600) == "none"
+    assert decide(3700, rolling, "done", True, growth=400, idle_s=0.1, fresh=100) == "start_background"
     assert decide(1900, rolling, "absent", True) == "none" and decide(2100, rolling, "absent", False) == "none"

@@ -18,7 +18,7 @@ from compaction.tokenizer import HFChatTokenizer
 from compaction.turn_policy import parse_context_management, prompt_tokens
 from serving.background import SessionCompactions
 from serving.coordinator import AdmissionConfig, CompactJob, Coordinator, ModelRuntime, ServiceResult
-from serving.turns import WIRE_FIELD, ChatTurn
+from serving.turns import WIRE_FIELD, ChatTurn, TurnCompaction
 from tests.fakes import short_summary
 from tests.test_coordinator import MODEL, FakeReplicas, coordinator
 
@@ -465,6 +465,88 @@ async def test_at_the_threshold_the_chunks_a_rolling_run_has_in_flight_are_joine
     assert outcome.status == "applied" and outcome.source == "background" and outcome.messages == blocking.messages
     assert outcome.stats is not None and outcome.stats.reused_chunks == in_flight
     assert sum(len(r.requests) for r in replicas.replicas.values()) == chunks  # each chunk summarised once
+
+
+def sent_so_far(replicas: FakeReplicas) -> int:
+    return sum(len(r.requests) for r in replicas.replicas.values())
+
+
+def borders(outcome: TurnCompaction) -> list[tuple[int, int]]:
+    assert outcome.stats is not None
+    return [(chunk.start, chunk.end) for chunk in outcome.stats.per_chunk]
+
+
+def notes(items: int) -> str:
+    return " ".join(f"item {i} is in drawer {i % 7}" for i in range(items))  # about 8 tokens an item
+
+
+def turns_around_the_threshold(
+    tokenizer: HFChatTokenizer, history: list[dict[str, Any]], first: str, reply: str, then: str
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], int]:
+    """(the last turn's messages before the threshold of 1200, the next turn's past it, its growth)."""
+    for pairs in range(16, 40):
+        before = [*history, *conversation(16, pairs), {"role": "user", "content": first}]
+        after = [*before, {"role": "assistant", "content": reply}, {"role": "user", "content": then}]
+        below, over = prompt_tokens(parse_messages(before), tokenizer), prompt_tokens(parse_messages(after), tokenizer)
+        if below <= 1200 < over:
+            return before, after, over - below
+    raise AssertionError("no such turns")
+
+
+async def rolled_to_the_threshold(
+    tokenizer: HFChatTokenizer, reply: str, then: str
+) -> tuple[TurnCompaction, TurnCompaction, int, int]:
+    """A rolling session's last turn before the threshold (its run done), then the turn past it: (its outcome, a
+    blocking turn's of the same messages, prompts it sent, how many messages the last turn had)."""
+    replicas = FakeReplicas()
+    _, sessions, history = await rolled(tokenizer, replicas)
+    before, after, growth = turns_around_the_threshold(tokenizer, history, f"A: {notes(30)}", reply, then)
+    ahead = turn(tokenizer, before, **ROLLING).model_copy(update={"growth": growth})
+    assert (await sessions.turn(ahead, tokenizer)).status == "running"
+    await until(lambda: not sessions.running())
+    sent = sent_so_far(replicas)
+    outcome = await sessions.turn(turn(tokenizer, after, **ROLLING).model_copy(update={"growth": growth}), tokenizer)
+    alone = cached_coordinator(tokenizer, FakeReplicas())
+    blocking = await SessionCompactions(alone.compact).turn(turn(tokenizer, after, **ROLLING), tokenizer)
+    assert outcome.status == blocking.status == "applied" and outcome.stats is not None and blocking.stats is not None
+    return outcome, blocking, sent_so_far(replicas) - sent, len(before)
+
+
+async def test_the_last_turn_before_the_threshold_summarises_every_chunk_the_thresholds_compaction_will_take(
+    tokenizer: HFChatTokenizer,
+) -> None:
+    """A turn after which one more like it passes the threshold rolls its whole history, last chunk included: the
+    turn past the threshold sends nothing and its compaction is blocking's (here the new turn fits in
+    keep_recent_tokens, 175, so blocking's span ends where the last turn's history did)."""
+    outcome, blocking, sent, _ = await rolled_to_the_threshold(tokenizer, "Noted.", f"B: {notes(12)}")
+    assert outcome.source == "background" and outcome.messages == blocking.messages
+    assert outcome.replaces_through == blocking.replaces_through and borders(outcome) == borders(blocking)
+    assert outcome.stats is not None and outcome.stats.reused_chunks == outcome.stats.chunks >= 2 and sent == 0
+
+
+async def test_past_the_threshold_a_short_reply_stays_verbatim_so_every_chunk_was_rolled_ahead(
+    tokenizer: HFChatTokenizer,
+) -> None:
+    """The new turn is longer than keep_recent_tokens, so a blocking compaction summarises the agent's reply to the
+    last turn too (a chunk nobody could roll ahead). The rolling session keeps that reply verbatim instead: a few
+    tokens more than blocking (at most a quarter of keep_recent_tokens), and nothing sent at the threshold."""
+    outcome, blocking, sent, last = await rolled_to_the_threshold(tokenizer, "Noted.", f"B: {notes(30)}")
+    assert blocking.replaces_through == last + 1 and outcome.replaces_through == last  # the reply stays verbatim
+    assert outcome.stats is not None and outcome.stats.reused_chunks == outcome.stats.chunks and sent == 0
+    assert blocking.compacted_prompt_tokens is not None and outcome.compacted_prompt_tokens is not None
+    assert blocking.compacted_prompt_tokens < outcome.compacted_prompt_tokens <= blocking.compacted_prompt_tokens + 43
+
+
+async def test_a_chunk_summarised_ahead_for_another_span_end_never_cuts_the_thresholds_span_differently(
+    tokenizer: HFChatTokenizer,
+) -> None:
+    """A reply too long to keep verbatim (over a quarter of keep_recent_tokens) is summarised as blocking would: the
+    chunk the last run summarised up to the reply's start is not made a border, so the compaction is blocking's."""
+    outcome, blocking, sent, last = await rolled_to_the_threshold(tokenizer, f"Reply: {notes(12)}", f"B: {notes(30)}")
+    assert outcome.replaces_through == blocking.replaces_through == last + 1
+    assert outcome.messages == blocking.messages and outcome.stats is not None and blocking.stats is not None
+    assert borders(outcome) == borders(blocking)
+    assert outcome.stats.reused_chunks >= 1 and sent == outcome.stats.chunks - outcome.stats.reused_chunks >= 1
 
 
 async def test_a_chunk_whose_rolled_summary_fell_back_is_summarised_again_at_the_threshold(

@@ -46,6 +46,7 @@ from compaction.tokenizer import ChatTokenizer
 KEEP_RECENT_SHARE = 0.25  # the newest turns up to this share of the (lower) threshold stay verbatim
 CARRY_SHARE = 0.25  # earlier summaries are carried verbatim while within this share of compact_threshold
 USER_WORDS_SHARE = 0.075  # the user's words kept verbatim: this share of compact_threshold (Codex: 20k of 272k)
+LAST_ROLL_IDLE_SHARE = 0.25  # the last rolling run before the threshold needs this share of background_min_idle_s
 ENTRY_TYPE = "compaction"
 
 
@@ -79,9 +80,11 @@ class ContextManagement(CompactionOptions):
     apply_background: Literal["rolling", "ready", "threshold"] = Field(
         "ready",
         description="What background work is and when it is applied. rolling: past background_threshold, every "
-        "chunk of B tokens older than keep_recent_tokens is summarised in the background as it becomes final; the "
-        "turn that passes compact_threshold compacts exactly as a blocking compaction would, taking those "
-        "summaries (so the compactions and the prompts are blocking's, only the wait is shorter); ready: a "
+        "chunk of B tokens older than keep_recent_tokens is summarised in the background as it becomes final, and "
+        "the last turn before compact_threshold summarises all its history; the turn that passes compact_threshold "
+        "compacts as a blocking compaction would, taking those summaries (so the compactions are blocking's, only "
+        "the wait is shorter; a short reply blocking would summarise, at most a quarter of keep_recent_tokens, "
+        "stays verbatim instead); ready: a "
         "compaction of the snapshot, applied at the session's next turn (no wait, and every later turn is "
         "answered from the shorter prompt); threshold: the same, applied only once a turn passes "
         "compact_threshold.",
@@ -242,14 +245,17 @@ def _rolling(
 ) -> Action:  # fmt: skip
     """apply_background "rolling": past the threshold, compact as blocking would (after what the run in flight has
     left, at the agent's priority); below it, roll on once a whole new chunk has become final since the last run,
-    and at every turn after which one more like it would pass the threshold, however short the agent's idle
-    times (so every chunk the threshold's compaction takes is summarised, or in flight, when it comes)."""
+    and at every turn after which one more like it would pass the threshold, for an agent that leaves the engine
+    any idle time (a quarter of background_min_idle_s): so every chunk the threshold's compaction takes is
+    summarised, or in flight, when it comes. An agent that sends its turns back to back gives such a run no gap
+    to progress in; it would only slow that agent's turns."""
     if tokens > entry.compact_threshold:
         return "wait" if background == "running" else "compact"
     if background == "running" or not has_session or entry.background_threshold is None:
         return "none"
-    if tokens + growth > entry.compact_threshold and (background == "absent" or fresh > 0):
-        return "start_background"  # the last turn before it, idle or not: its run is the threshold's own work
+    some_idle = idle_s is None or idle_s >= entry.background_min_idle_s * LAST_ROLL_IDLE_SHARE
+    if tokens + growth > entry.compact_threshold and (background == "absent" or fresh > 0) and some_idle:
+        return "start_background"  # the last turn before it: its run is the threshold's own work
     if not wants_background(tokens, growth, entry, idle_s):
         return "none"
     return "start_background" if background == "absent" or fresh >= entry.chunk_tokens else "none"

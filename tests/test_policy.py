@@ -177,7 +177,8 @@ def test_rolling_compacts_at_the_threshold_as_blocking_would_and_rolls_on_each_n
     assert decide(3700, rolling, "done", True, growth=400, fresh=100) == "start_background"
     assert decide(3700, rolling, "done", True, growth=400, fresh=0) == "none"
     assert decide(3500, rolling, "done", True, growth=400, fresh=100) == "none"
-    # An agent that leaves the engine no idle time rolls only there: that run is the threshold's own work.
-    assert decide(2700, rolling, "done", True, growth=400, idle_s=0.1, fresh=600) == "none"
-    assert decide(3700, rolling, "done", True, growth=400, idle_s=0.1, fresh=100) == "start_background"
+    # An agent with short idle times rolls only there (that run is the threshold's own work); one back to back never.
+    assert decide(2700, rolling, "done", True, growth=400, idle_s=0.2, fresh=600) == "none"
+    assert decide(3700, rolling, "done", True, growth=400, idle_s=0.2, fresh=100) == "start_background"
+    assert decide(3700, rolling, "done", True, growth=400, idle_s=0.01, fresh=100) == "none"
     assert decide(1900, rolling, "absent", True) == "none" and decide(2100, rolling, "absent", False) == "none"

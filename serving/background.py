@@ -12,11 +12,9 @@ and waits only for what is left. A run is used only by a turn of the same model 
 When the prompt a turn is answered from already wants a background run (past background_threshold,
 or one more turn like this one would pass compact_threshold), that prompt is the next snapshot.
 
-With apply_background "rolling" a run summarises only the snapshot's whole chunks into the chunk cache
-(`Coordinator.roll`), one run per session at a time, and nothing is spliced: the turn that passes the hard
-threshold compacts its history as a blocking turn would, taking the rolled summaries from the cache and
-joining the chunks still in flight (raised to the agent's priority), so its result is blocking's and its
-wait is at most blocking's.
+With apply_background "rolling" a run summarises chunks into the chunk cache (`Coordinator.roll`), one per
+session at a time, and nothing is spliced: the turn past the hard threshold compacts as a blocking turn would,
+taking the rolled summaries and joining those in flight (at the agent's priority; see `_job`).
 
 Nothing here is needed for correctness: the client carries the compacted history, so losing this
 state (a restart, an eviction) costs only a recomputation. So it is bounded in sessions and in bytes
@@ -161,8 +159,7 @@ class SessionCompactions:
             return TurnCompaction(status=status, prompt_tokens=turn.prompt_tokens)
         note = None
         result: ServiceResult | int | None = None
-        ahead = running is not None and running.last and state in ("running", "done")
-        prefer = running.snapshot.length if running is not None and ahead else None  # where its summaries end
+        prefer = running.snapshot.length if running and running.last and state in ("running", "done") else None
         if running is not None and running.rolling and state == "running":
             running.urgent.set()  # its prompts go on at the agent's priority; the compaction below joins them
             sent = asyncio.ensure_future(running.sent.wait())
@@ -218,11 +215,10 @@ class SessionCompactions:
 
     def _start(self, turn: ChatTurn, messages: Sequence[Message], digests: Sequence[str], tokens: int) -> None:
         session = turn.session_id or ""
-        urgent = asyncio.Event()
+        urgent, sent = asyncio.Event(), asyncio.Event()
         roll = self._roll if turn.entry.apply_background == "rolling" else None
         last = roll is not None and tokens + turn.growth > turn.entry.compact_threshold  # the last turn before it
         job = self._job(turn, [_lean_message(m) for m in messages], "background", last)
-        sent = asyncio.Event()
         work: Callable[[], Coroutine[Any, Any, ServiceResult | int]]
         work = (lambda: roll(job, urgent, sent)) if roll is not None else (lambda: self._compact(job, urgent))
         compaction: asyncio.Task[ServiceResult | int] = asyncio.create_task(_lean(work), name=f"background-{session}")
@@ -231,20 +227,11 @@ class SessionCompactions:
             task.add_done_callback(_retrieve)
         warmed.add_done_callback(lambda _: _retrieve(compaction))  # re-raised in _warmed: its frames again
         sessions = self._sessions(turn)
-        stale = sessions.pop(session)
-        if stale is not None:  # a snapshot of a history the client no longer has, or of other options
+        if (stale := sessions.pop(session)) is not None:  # a history the client no longer has, or other options
             stale.cancel()
+        snapshot, size = Snapshot.of(digests), len(job.model_dump_json())
         running = _Running(
-            Snapshot.of(digests),
-            _made_for(turn),
-            compaction,
-            warmed,
-            urgent,
-            len(job.model_dump_json()),
-            tokens,
-            rolling=roll is not None,
-            sent=sent,
-            last=last,
+            snapshot, _made_for(turn), compaction, warmed, urgent, size, tokens, roll is not None, sent, last
         )
         compaction.add_done_callback(lambda task: _measure(running, task))
         sessions.put(session, running)
@@ -335,14 +322,11 @@ class SessionCompactions:
         prefer: int | None = None,
     ) -> CompactJob:
         """A compaction of `messages` with the turn's options. A background snapshot keeps `growth` fewer recent
-        tokens verbatim: at least one more turn (about that long) stays verbatim after it by the time it is applied,
-        so the prompt it leaves keeps about keep_recent_tokens, as a blocking compaction's does. A rolling run
-        looks as far ahead: its whole chunks are those a blocking compaction one such turn later compacts, so
-        the turn that crosses the threshold finds them summarised (a turn shorter than `growth` leaves its last
-        chunk to the threshold's compaction, which cuts it shorter). `last`: the rolling run of the turn after which
-        one more such turn passes the threshold; it summarises the whole history, its last chunk too, so the
-        compaction at the threshold finds every chunk done if it keeps the turns after these messages verbatim
-        (`prefer`: their count, `compaction.plan.kept_ends`)."""
+        tokens verbatim: one more turn (about that long) stays verbatim after it by the time it is applied, as in a
+        blocking compaction's prompt; a rolling run's whole chunks so are those a compaction one such turn later
+        takes. `last`: the rolling run of the last turn before the threshold summarises its whole history, last
+        chunk too; the compaction at the threshold then keeps the turns after it verbatim if it can (`prefer`:
+        their first message, `compaction.plan.kept_ends`) and finds every chunk done."""
         options = turn.entry.options()
         if priority == "background":
             keep = 0 if last else max(0, options.keep_recent_tokens - turn.growth)

@@ -9,6 +9,8 @@ from typing import Any
 import httpx
 import pytest
 
+from compaction.history import parse_messages
+from compaction.turn_policy import prompt_tokens
 from tests.support import SERVED_MODEL, SERVICE_KEY
 
 pytestmark = [pytest.mark.ray, pytest.mark.engine]
@@ -121,6 +123,49 @@ def test_a_rolling_session_compacts_at_its_threshold_as_blocking_would_from_summ
     assert made["status"] == "applied" and made["source"] == "blocking" and made["stats"]["reused_chunks"] == 0
     borders = lambda c: [(k["start"], k["end"]) for k in c["stats"]["per_chunk"]]  # noqa: E731
     assert borders(rolled) == borders(made) and rolled["replaces_through"] == made["replaces_through"]
+
+
+def test_a_rolling_sessions_last_turn_before_the_threshold_rolls_the_chunks_its_compaction_takes(
+    service: Any, tokenizer: Any
+) -> None:
+    """The turn after which one more like it passes compact_threshold rolls its whole history, last chunk too; the
+    turn past the threshold (a new turn longer than keep_recent_tokens, 225) keeps the short reply before it
+    verbatim, so its chunks are the ones that run summarised (the fake-engine tests in test_sessions show that
+    nothing is sent then)."""
+    client, session = openai_client(service.url), f"chat-{uuid.uuid4().hex[:8]}"
+    entry = {"compact_threshold": 1400, "background_threshold": 900, "apply_background": "rolling"}
+    entry |= {"max_chunk_summary_tokens": 16, "background_min_idle_s": 0}  # this test sends its turns back to back
+    steps = coding_history(16)
+    history = [*steps[:33], {"role": "user", "content": "Keep going."}]
+    assert ask(client, history, session, **entry).model_extra["compaction"]["status"] == "none"  # below 900
+    grown = history
+    for end in range(34, len(steps)):  # one more turn like this one (about 400 tokens) passes 1400
+        grown = [
+            *history,
+            {"role": "assistant", "content": "Going on."},
+            *steps[33:end],
+            {"role": "user", "content": "Next."},
+        ]
+        if prompt_tokens(parse_messages(grown), tokenizer) >= 1250:
+            break
+    last = ask(client, grown, session, **entry).model_extra["compaction"]
+    assert last["status"] == "running" and 1100 < last["prompt_tokens"] <= 1400, last
+    report = "Report: " + " ".join(f"module_{i}.py is fine at line {10 + i}." for i in range(30))  # over 225 tokens
+    over = [*grown, {"role": "assistant", "content": "Noted."}, {"role": "user", "content": report}]
+    rolled = ask(client, over, session, **entry).model_extra["compaction"]
+    assert rolled["status"] == "applied" and rolled["source"] == "background", rolled
+    # Its chunks are the last run's, cut at that run's end, with the reply after it kept verbatim; summarised
+    # there, or (a summary that fell back, which is never kept) asked again.
+    assert rolled["replaces_through"] == len(grown) and rolled["stats"]["reused_chunks"] >= 2
+    ends = [k["end"] for k in rolled["stats"]["per_chunk"]]
+    blocking = ask(client, over, f"chat-{uuid.uuid4().hex[:8]}", **{**entry, "reuse_chunks": False})
+    made = blocking.model_extra["compaction"]  # blocking summarises the reply too (the new turn alone is over 225)
+    assert made["status"] == "applied" and made["replaces_through"] == len(grown) + 1, made
+    assert (
+        ends[-1] < made["stats"]["per_chunk"][-1]["end"]
+        and ends[:-1] == [k["end"] for k in made["stats"]["per_chunk"]][: len(ends) - 1]
+    )
+    assert made["compacted_prompt_tokens"] < rolled["compacted_prompt_tokens"] <= made["compacted_prompt_tokens"] + 56
 
 
 def test_a_finished_background_run_is_applied_at_the_next_turn_from_the_prefix_cache(service: Any) -> None:

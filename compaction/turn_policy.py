@@ -239,6 +239,12 @@ def decide(
     return "none"
 
 
+def last_before_threshold(tokens: int, growth: int, entry: ContextManagement) -> bool:
+    """One more turn growing the prompt by `growth` passes compact_threshold: a rolling run started now summarises
+    the whole history, its last chunk too (`serving.background`)."""
+    return tokens + growth > entry.compact_threshold
+
+
 def _rolling(
     tokens: int, entry: ContextManagement, background: Background, has_session: bool, growth: int,
     idle_s: float | None, fresh: int,
@@ -254,7 +260,7 @@ def _rolling(
     if background == "running" or not has_session or entry.background_threshold is None:
         return "none"
     some_idle = idle_s is None or idle_s >= entry.background_min_idle_s * LAST_ROLL_IDLE_SHARE
-    if tokens + growth > entry.compact_threshold and (background == "absent" or fresh > 0) and some_idle:
+    if last_before_threshold(tokens, growth, entry) and (background == "absent" or fresh > 0) and some_idle:
         return "start_background"  # the last turn before it: its run is the threshold's own work
     if not wants_background(tokens, growth, entry, idle_s):
         return "none"

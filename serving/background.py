@@ -12,9 +12,8 @@ and waits only for what is left. A run is used only by a turn of the same model 
 When the prompt a turn is answered from already wants a background run (past background_threshold,
 or one more turn like this one would pass compact_threshold), that prompt is the next snapshot.
 
-With apply_background "rolling" a run summarises chunks into the chunk cache (`Coordinator.roll`), one per
-session at a time, and nothing is spliced: the turn past the hard threshold compacts as a blocking turn would,
-taking the rolled summaries and joining those in flight (at the agent's priority; see `_job`).
+With apply_background "rolling" a run (one per session at a time) summarises chunks into the chunk cache, nothing
+spliced: the turn past the hard threshold compacts as blocking would, taking them or joining them (see `_job`).
 
 Nothing here is needed for correctness: the client carries the compacted history, so losing this
 state (a restart, an eviction) costs only a recomputation. So it is bounded in sessions and in bytes
@@ -45,6 +44,7 @@ from compaction.turn_policy import (
     Background,
     Snapshot,
     decide,
+    last_before_threshold,
     message_digests,
     prompt_tokens,
     spliced,
@@ -217,7 +217,7 @@ class SessionCompactions:
         session = turn.session_id or ""
         urgent, sent = asyncio.Event(), asyncio.Event()
         roll = self._roll if turn.entry.apply_background == "rolling" else None
-        last = roll is not None and tokens + turn.growth > turn.entry.compact_threshold  # the last turn before it
+        last = roll is not None and last_before_threshold(tokens, turn.growth, turn.entry)
         job = self._job(turn, [_lean_message(m) for m in messages], "background", last)
         work: Callable[[], Coroutine[Any, Any, ServiceResult | int]]
         work = (lambda: roll(job, urgent, sent)) if roll is not None else (lambda: self._compact(job, urgent))

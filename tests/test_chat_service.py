@@ -155,8 +155,8 @@ def test_a_rolling_sessions_last_turn_before_the_threshold_rolls_the_chunks_its_
     rolled = ask(client, over, session, **entry).model_extra["compaction"]
     assert rolled["status"] == "applied" and rolled["source"] == "background", rolled
     # Its chunks are the last run's, cut at that run's end, with the reply after it kept verbatim; summarised
-    # there, or (a summary that fell back, which is never kept) asked again.
-    assert rolled["replaces_through"] == len(grown) and rolled["stats"]["reused_chunks"] >= 2
+    # there, or asked again where the run's summary fell back (never kept; how many do varies with the numerics).
+    assert rolled["replaces_through"] == len(grown) and rolled["stats"]["reused_chunks"] >= 1
     ends = [k["end"] for k in rolled["stats"]["per_chunk"]]
     blocking = ask(client, over, f"chat-{uuid.uuid4().hex[:8]}", **{**entry, "reuse_chunks": False})
     made = blocking.model_extra["compaction"]  # blocking summarises the reply too (the new turn alone is over 225)

@@ -93,12 +93,13 @@ class Compactor:
         options: CompactionOptions | Mapping[str, Any] | None,
         namespace: str = "",
         prefer_tail_from: int | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> CompactionPlan:
         """Stage 3 (`compaction.plan`): validate, render once, partition and lay out. Raises InvalidInput naming
         the problem. `namespace` (a tenant): chunk summaries are reused only within it; `prefer_tail_from`: where
-        the kept tail may start instead (`compaction.plan.kept_ends`)."""
+        the kept tail may start instead (`compaction.plan.kept_ends`); `tools`: the agent's tool list."""
         planner = Planner(self.tokenizer, self.context_window, self.block_size, self.cache, self.limits)
-        return planner.plan(messages, options, namespace, prefer_tail_from)
+        return planner.plan(messages, options, namespace, prefer_tail_from, tools)
 
     async def compact(
         self,

@@ -80,9 +80,11 @@ class Line:
 def segments(history: RenderedHistory, tokenizer: ChatTokenizer, start: int, end: int) -> list[Segment]:
     """The messages overlapping history tokens [start, end), each as the text of its overlap.
 
-    A message wholly inside is its rendered content; a message cut by a border is decoded from
-    its tokens in the range, without the role header line the template writes before content, and
-    without the word the border cuts (a token border can split `retry_out` into `retry` | `_out`).
+    A message wholly inside is its content as `template_view` writes it; a message cut by a border is its
+    content's tokens in the range, decoded (no template markup), without the word the border cuts (a token
+    border can split `retry_out` into `retry` | `_out`), with the view's text before the content (a tool
+    result's tag) when the range holds the content's start and after it (an assistant's calls) when it holds
+    the message's end.
     """
     bounds = (*history.message_starts, len(history.token_ids))
     out: list[Segment] = []
@@ -90,15 +92,16 @@ def segments(history: RenderedHistory, tokenizer: ChatTokenizer, start: int, end
         first, last = bounds[i], bounds[i + 1]
         if last <= start or first >= end:
             continue
-        view = template_view(message)
+        view = template_view(message)["content"]
         if first >= start and last <= end:
-            text = view["content"]
+            text = view
         else:
-            text = tokenizer.decode(history.token_ids[max(first, start) : min(last, end)])
-            if first >= start and text.split("\n", 1)[0].strip() == view["role"]:
-                text = text.split("\n", 1)[1] if "\n" in text else ""
-            text = _CUT_WORD_START.sub("", text) if first < start else text
-            text = _CUT_WORD_END.sub("", text) if last > end else text
+            a, b = history.contents[i]
+            own = message.text()
+            before, _, after = view.partition(own) if own else ("", "", view)
+            text = tokenizer.decode(history.token_ids[max(a, start) : min(b, end)])
+            text = _CUT_WORD_START.sub("", text) if a < start else before + text
+            text = _CUT_WORD_END.sub("", text) if b > end else text + (after if last <= end else "")
         out.append(Segment(i, message.role, text, first >= start))
     return out
 

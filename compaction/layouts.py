@@ -82,6 +82,11 @@ def tail_ids(tokenizer: ChatTokenizer, closed: bool, instructions: str) -> tuple
     return (*tokenizer.encode(markup), *text, *tokenizer.encode(after))
 
 
+def closed_borders(history: RenderedHistory) -> set[int]:
+    """Token positions right after a closed turn: a prompt whose history part ends there needs no turn close."""
+    return (set(history.message_starts) - history.open_starts) | {len(history.token_ids)}
+
+
 def _body(
     layout: Layout,
     ids: tuple[int, ...],
@@ -129,7 +134,7 @@ def build_prompts(
     """One prompt per chunk (a single whole-span prompt when sequential); `starts`: window starts (windowed);
     `prefixes`: the history's prefix digests, shared by the prompts of one plan."""
     ids = history.token_ids
-    borders = set(history.message_starts) | {len(ids)}
+    borders = closed_borders(history)
     if options.layout == "auto":  # `lay_out` resolves it against the model window
         options = options.model_copy(update={"layout": "prefix_exact"})
     markers = {
@@ -195,7 +200,7 @@ def _rooms(
     span_end: int, window: int,
 ) -> list[int]:  # fmt: skip
     """History tokens each chunk's prompt may hold: the window minus the summary budget and its longer tail."""
-    borders = set(history.message_starts) | {len(history.token_ids)}
+    borders = closed_borders(history)
     exact = options.model_copy(update={"layout": "prefix_exact"})
     return [
         window - options.max_chunk_summary_tokens - max(

@@ -41,10 +41,11 @@ from compaction.checks.quality import drop_seen
 from compaction.checks.validity import check_output
 from compaction.errors import NothingToCompact
 from compaction.extractive import CALL_TAG, Line, Segment, candidate_lines, segments, weights
-from compaction.history import Message, template_view
+from compaction.history import Message
 from compaction.keep import render_kept, wrapped
 from compaction.options import CompactionOptions
 from compaction.plan import SUMMARY_HEADER, CompactionPlan, is_summary
+from compaction.render import rendered_tokens
 from compaction.result import ChunkStats, CompactionResult, CompactionStats
 from compaction.tokenizer import ChatTokenizer
 
@@ -266,7 +267,7 @@ def merge(
         *plan.history.messages[plan.kept_tail_from :],
     ]
     check_output(messages)
-    compacted = len(tokenizer.encode(tokenizer.render([template_view(m) for m in messages])))
+    compacted = rendered_tokens(messages, tokenizer, plan.tools)
     if compacted >= len(plan.history.token_ids):  # never a longer history than was sent
         raise NothingToCompact(
             "messages",

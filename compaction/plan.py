@@ -51,6 +51,7 @@ class CompactionPlan:
     windows: int = 1  # groups of chunk prompts sharing a window start (windowed layout), else 1
     sources: ChunkSources | None = None  # what each chunk's summary may state, built in one pass over the history
     marked: tuple[str, ...] = ()  # the span's <keep>…</keep> texts (compaction.keep), written in the head
+    tools: tuple[Mapping[str, Any], ...] | None = None  # the agent's tool list, rendered with the history
 
 
 @dataclass(frozen=True)
@@ -69,15 +70,18 @@ class Planner:
         options: CompactionOptions | Mapping[str, Any] | None,
         namespace: str = "",
         prefer_tail_from: int | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> CompactionPlan:
         """Validate, render once, partition and lay out. Raises InvalidInput naming the problem. `namespace`
-        (a tenant): chunk summaries are reused only within it; `prefer_tail_from`: see `kept_ends`."""
+        (a tenant): chunk summaries are reused only within it; `prefer_tail_from`: see `kept_ends`; `tools`: the
+        agent's tool list, rendered as its turns render it (`compaction.render.render_history`)."""
         opts = CompactionOptions.parse(options)
         parsed = parse_messages(messages)
         check_history(parsed)
         if self.limits is not None:  # refused before rendering when it cannot fit (rendering one takes seconds)
             self.limits.check_history(token_floor([template_view(m) for m in parsed], self.tokenizer), at_least=True)
-        history = render_history(parsed, self.tokenizer)
+        listed = tuple(tools) if tools else None
+        history = render_history(parsed, self.tokenizer, listed)
         if self.limits is not None:
             self.limits.check_history(len(history.token_ids))
         system, head, summaries, tail_from = kept_ends(history, opts, prefer_tail_from)
@@ -100,7 +104,7 @@ class Planner:
         sources = ChunkSources(history, self.tokenizer, [c.end for c in chunks])
         if opts.strategy == "extractive":
             return CompactionPlan(
-                opts, history, head, tail_from, carried, scope, span, chunks, (), (), 0, 1, sources, marked
+                opts, history, head, tail_from, carried, scope, span, chunks, (), (), 0, 1, sources, marked, listed
             )
         laid = lay_out(history, self.tokenizer, opts, chunks, span[1], self.context_window, self.block_size)
         check_window((*laid.prompts, *laid.strict_prompts), laid.options, self.context_window)
@@ -119,6 +123,7 @@ class Planner:
             len(laid.windows),
             sources,
             marked,
+            listed,
         )
 
     def _partition(

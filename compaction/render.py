@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from compaction.errors import InvalidInput
-from compaction.history import Message, template_view
+from compaction.history import Message, chat_view, template_view
 from compaction.tokenizer import ChatTokenizer
 
 Span = tuple[int, int]  # [start, end) in characters of the rendered text
@@ -106,22 +106,36 @@ def _unsupported(why: str) -> InvalidInput:
     return InvalidInput("model", f"the chat template {why}; its histories cannot be compacted in token space")
 
 
-def content_spans(views: Sequence[dict[str, str]], text: str, tokenizer: ChatTokenizer) -> tuple[Span, ...]:
+def content_spans(views: Sequence[dict[str, Any]], text: str, tokenizer: ChatTokenizer) -> tuple[Span, ...]:
     """The character span of each message's content inside `text`, the rendering of `views`."""
-    skeleton = tokenizer.render([{**view, "content": _sentinel(i)} for i, view in enumerate(views)])
+    return located_contents(views, text, tokenizer, range(len(views)))[0]
+
+
+def located_contents(
+    views: Sequence[dict[str, Any]],
+    text: str,
+    tokenizer: ChatTokenizer,
+    which: Sequence[int],
+    tools: Sequence[Mapping[str, Any]] | None = None,
+) -> tuple[tuple[Span, ...], list[str]]:
+    """The spans of the contents of `views[which]` inside `text` (the rendering of `views` with `tools`), and the
+    template's own text before, between and after them."""
+    marked = {i: n for n, i in enumerate(which)}
+    blank = [{**v, "content": _sentinel(marked[i])} if i in marked else v for i, v in enumerate(views)]
+    skeleton = _render(tokenizer, blank, tools)
     parts = _SENTINEL.split(skeleton)
     pieces, order = parts[0::2], [int(i) for i in parts[1::2]]
-    if order != list(range(len(views))):
+    if order != list(range(len(which))):
         raise _unsupported("does not render every message's content once, in order")
     spans: list[Span] = []
     cursor = 0
-    for i, view in enumerate(views):
-        if not text.startswith(pieces[i], cursor):
+    for n, i in enumerate(which):
+        if not text.startswith(pieces[n], cursor):
             raise _unsupported("renders differently depending on message content")
-        cursor += len(pieces[i])
-        content = view["content"]
+        cursor += len(pieces[n])
+        content = views[i]["content"]
         for form in (content, content.strip(), content.lstrip(), content.rstrip()):
-            if text.startswith(form, cursor) and text.startswith(pieces[i + 1], cursor + len(form)):
+            if text.startswith(form, cursor) and text.startswith(pieces[n + 1], cursor + len(form)):
                 spans.append((cursor, cursor + len(form)))
                 cursor += len(form)
                 break
@@ -129,7 +143,13 @@ def content_spans(views: Sequence[dict[str, str]], text: str, tokenizer: ChatTok
             raise _unsupported("changes message content beyond trimming whitespace")
     if text[cursor:] != pieces[-1]:
         raise _unsupported("renders differently depending on message content")
-    return tuple(spans)
+    return tuple(spans), pieces
+
+
+def _render(
+    tokenizer: ChatTokenizer, views: Sequence[dict[str, Any]], tools: Sequence[Mapping[str, Any]] | None
+) -> str:
+    return tokenizer.render(views, tools=tools) if tools else tokenizer.render(views)
 
 
 def encode_rendering(text: str, spans: Sequence[Span], tokenizer: ChatTokenizer) -> tuple[list[int], list[int]]:
@@ -164,6 +184,8 @@ class RenderedHistory:
     messages: tuple[Message, ...]  # validated copies; the source of the verbatim parts of the output
     token_ids: tuple[int, ...]  # the whole history through the chat template, no generation prompt
     message_starts: tuple[int, ...]  # token where message i's turn begins (the template's preamble precedes 0)
+    open_starts: frozenset[int] = frozenset()  # starts inside a turn the template merges (consecutive tool results)
+    contents: tuple[tuple[int, int], ...] = ()  # tokens [start, end) of message i's content (its text alone)
 
 
 def _prefix_end(views: Sequence[dict[str, str]], i: int, text: str, tokenizer: ChatTokenizer) -> int:
@@ -195,14 +217,20 @@ def _located_starts(
     return starts
 
 
-def render_history(messages: Sequence[Message], tokenizer: ChatTokenizer) -> RenderedHistory:
+def render_history(
+    messages: Sequence[Message], tokenizer: ChatTokenizer, tools: Sequence[Mapping[str, Any]] | None = None
+) -> RenderedHistory:
     """Render and tokenise the history once, recording each message's first token.
 
-    Message text is tokenised as text (`compaction.content`). Tokens before the first message's
+    A history with tool traffic (or a tool list) is rendered as the agent's own turns are (`_as_agent`), so
+    the compaction's prompts start with the tokens the agent's turns left in the prefix cache.
+    Otherwise: message text is tokenised as text (`compaction.content`). Tokens before the first message's
     turn (a default system prompt the template inserts) belong to no message. Message borders are
     located in the rendered text and spot-checked against an exact prefix rendering; if the check
     fails, every border is computed the exact way.
     """
+    if _as_agents_turns(messages, tokenizer, tools):
+        return _as_agent(messages, tokenizer, tools)
     views = [template_view(m) for m in messages]
     text = tokenizer.render(views)
     spans = content_spans(views, text, tokenizer)
@@ -211,9 +239,96 @@ def render_history(messages: Sequence[Message], tokenizer: ChatTokenizer) -> Ren
     checks = {len(views) // 2, len(views) - 1}
     if chars is None or any(chars[i] != _prefix_end(views, i, text, tokenizer) for i in checks):
         chars = [_prefix_end(views, i, text, tokenizer) for i in range(len(views))]
-    message_starts, token = [], 0
-    for char in chars:
-        while token < len(offsets) and offsets[token] < char:
-            token += 1
-        message_starts.append(token)
-    return RenderedHistory(tuple(messages), tuple(ids), tuple(message_starts))
+    return RenderedHistory(tuple(messages), tuple(ids), _tokens_at(chars, offsets), contents=_in_tokens(spans, offsets))
+
+
+def _as_agents_turns(
+    messages: Sequence[Message], tokenizer: ChatTokenizer, tools: Sequence[Mapping[str, Any]] | None
+) -> bool:
+    """Whether the history is rendered from `chat_view`s (tool traffic the template writes out), not `template_view`s
+    (no tool traffic: the two render alike; a template that drops tool calls: they are written as text)."""
+    return bool(tools or any(m.tool_calls or m.role == "tool" for m in messages)) and writes_tool_calls(tokenizer)
+
+
+def rendered_tokens(
+    messages: Sequence[Message],
+    tokenizer: ChatTokenizer,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    add_generation_prompt: bool = False,
+) -> int:
+    """Tokens of the history as `render_history` renders it (with the generation prompt: an agent's turn of it)."""
+    agent = _as_agents_turns(messages, tokenizer, tools)
+    views = [chat_view(m) if agent else template_view(m) for m in messages]
+    extra = {"tools": tools} if tools and agent else {}
+    return len(tokenizer.encode(tokenizer.render(views, add_generation_prompt=add_generation_prompt, **extra)))
+
+
+def _tokens_at(chars: Sequence[int], offsets: Sequence[int]) -> tuple[int, ...]:
+    """The first token starting at or after each character position."""
+    return tuple(bisect.bisect_left(offsets, char) for char in chars)
+
+
+def _in_tokens(spans: Sequence[Span], offsets: Sequence[int]) -> tuple[tuple[int, int], ...]:
+    """Character spans as token spans: from the first token starting at or after each end."""
+    return tuple((bisect.bisect_left(offsets, a), bisect.bisect_left(offsets, b)) for a, b in spans)
+
+
+_CALLED = "\ue000called\ue001"
+_WRITES_CALLS: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+
+
+def writes_tool_calls(tokenizer: ChatTokenizer) -> bool:
+    """Whether the chat template writes an assistant's tool calls and the tool's result (a template that drops
+    them would hide them from the summariser: such histories are rendered as `template_view`s instead)."""
+    known = _WRITES_CALLS.get(tokenizer)
+    if known is None:
+        call = {"id": "c", "type": "function", "function": {"name": _CALLED, "arguments": {}}}
+        probe: list[dict[str, Any]] = [
+            {"role": "user", "content": "a"},
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c", "content": _MARK},
+        ]
+        try:
+            text = tokenizer.render(probe)
+            known = _CALLED in text and _MARK in text
+        except Exception:  # a template raises what it likes for what it does not support
+            known = False
+        _WRITES_CALLS[tokenizer] = known
+    return known
+
+
+def _as_agent(
+    messages: Sequence[Message], tokenizer: ChatTokenizer, tools: Sequence[Mapping[str, Any]] | None
+) -> RenderedHistory:
+    """The history as vLLM's chat endpoint renders an agent's turn of it (`chat_view`s and the tool list through
+    the model's template), token for token, so the compaction reads the agent's prefix cache.
+
+    Such templates write tool calls outside any content and may merge consecutive tool results into one turn,
+    so borders are found from the template's own text: the contents that are not empty are located with
+    sentinels, and in the template text before each (and after the last) the messages it holds take the
+    turn ends found there, the last message the last turn end. A message with none left starts where the
+    text before it begins, inside an open turn (`open_starts`)."""
+    views = [chat_view(m) for m in messages]
+    text = _render(tokenizer, views, tools)
+    which = [i for i, view in enumerate(views) if view["content"]]
+    spans, pieces = located_contents(views, text, tokenizer, which, tools)
+    ids, offsets = encode_rendering(text, spans, tokenizer)
+    end_of_turn, chars, open_chars = tokenizer.end_of_turn, [], set()
+    bounds = [0, *(end for _, end in spans)]
+    holders = [*which, len(views) - 1]  # the last message each gap holds (the tail gap: the rest)
+    first = 0
+    for gap, (start, last) in enumerate(zip(bounds, holders, strict=False)):
+        piece, held = pieces[gap], list(range(first, last + 1))
+        ends = [start + m.end() for m in re.finditer(re.escape(end_of_turn), piece) if start + m.end() < len(text)]
+        taken = ends[-len(held) :] if held else []
+        for n, i in enumerate(held):
+            at = n - (len(held) - len(taken))
+            chars.append(taken[at] if at >= 0 else start)
+            if at < 0 and i:
+                open_chars.add(start)
+        first = last + 1
+    starts = _tokens_at(chars, offsets)
+    open_starts = frozenset(t for t, c in zip(starts, chars, strict=True) if c in open_chars)
+    found = dict(zip(which, spans, strict=True))
+    bounds_of = [found.get(i, (c, c)) for i, c in enumerate(chars)]  # an empty content: where its message starts
+    return RenderedHistory(tuple(messages), tuple(ids), starts, open_starts, _in_tokens(bounds_of, offsets))

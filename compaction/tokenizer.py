@@ -3,7 +3,7 @@ implementation (transformers is imported lazily)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Protocol
@@ -16,8 +16,14 @@ _PROBE = "\x00PROBE\x00"
 class ChatTokenizer(Protocol):
     """What the core needs from a model's tokenizer and chat template."""
 
-    def render(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = False) -> str:
-        """The chat template applied to the messages (by default without a generation prompt)."""
+    def render(
+        self,
+        messages: Sequence[dict[str, Any]],
+        add_generation_prompt: bool = False,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> str:
+        """The chat template applied to the messages (by default without a generation prompt; `tools`: the tool
+        list a chat completion hands the template)."""
         ...
 
     def encode_with_offsets(self, text: str, as_text: bool = False) -> tuple[list[int], list[int]]:
@@ -78,9 +84,17 @@ class HFChatTokenizer:
 
         return cls(AutoTokenizer.from_pretrained(str(path)))
 
-    def render(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = False) -> str:
+    def render(
+        self,
+        messages: Sequence[dict[str, Any]],
+        add_generation_prompt: bool = False,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> str:
         text = self._tok.apply_chat_template(
-            list(messages), tokenize=False, add_generation_prompt=add_generation_prompt
+            list(messages),
+            tools=list(tools) if tools else None,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
         )
         return str(text)
 
@@ -114,10 +128,7 @@ class HFChatTokenizer:
     def chat_prompt_tokens(self, views: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None) -> int:
         """Tokens of the prompt a chat completion of `views` (chat views) with `tools` prefills: the template with
         its tool list and generation prompt, as vLLM's chat endpoint renders it."""
-        text = self._tok.apply_chat_template(
-            list(views), tools=list(tools) if tools else None, tokenize=False, add_generation_prompt=True
-        )
-        return len(self.encode(str(text)))
+        return len(self.encode(self.render(views, add_generation_prompt=True, tools=tools)))
 
     @cached_property
     def _turn_parts(self) -> tuple[str, str, str]:

@@ -38,8 +38,9 @@ from typing import Any, Literal
 from pydantic import ConfigDict, Field, ValidationError, model_validator
 
 from compaction.errors import InvalidInput
-from compaction.history import Message, template_view
+from compaction.history import Message
 from compaction.options import CompactionOptions
+from compaction.render import rendered_tokens
 from compaction.tokenizer import ChatTokenizer
 
 # Defaults that follow the threshold when the entry does not set them.
@@ -161,7 +162,7 @@ def check_window(entry: ContextManagement, window: int, reply_tokens: int, at: s
 
 def prompt_tokens(messages: Sequence[Message], tokenizer: ChatTokenizer) -> int:
     """Tokens of the prompt the model would see for these messages (chat template + generation prompt)."""
-    return len(tokenizer.encode(tokenizer.render([template_view(m) for m in messages], add_generation_prompt=True)))
+    return rendered_tokens(messages, tokenizer, add_generation_prompt=True)
 
 
 def message_digests(messages: Sequence[Message]) -> list[str]:

@@ -342,6 +342,7 @@ class SessionCompactions:
             cache_salt=turn.cache_salt,
             roll_last=last,
             prefer_tail_from=prefer,
+            tools=turn.tools,
         )
 
 

@@ -74,6 +74,7 @@ class CompactJob(BaseModel):
     cache_salt: str | None = None  # the tenant's prefix-cache salt on the engines (serving.tenants); None: unsalted
     roll_last: bool = False  # a rolling run (`Coordinator.roll`) summarises the plan's last chunk too
     prefer_tail_from: int | None = None  # the kept tail may start at this message instead (compaction.plan.kept_ends)
+    tools: list[dict[str, Any]] | None = None  # the agent's tool list as the engine renders it (serving.wire.tools)
 
     def key(self) -> tuple[str, str, str | None, str]:
         """Identity for de-duplication: the same tenant's session asking for the same compaction (deadline aside)."""
@@ -173,13 +174,13 @@ class AdmissionConfig(BaseModel):
 
 def _plan(compactor: Compactor, job: CompactJob) -> tuple[CompactionPlan, int]:
     """The job's plan and how many of its chunks the chunk cache already holds (run in a worker thread)."""
-    plan = compactor.plan(job.messages, job.options, namespace=job.tenant, prefer_tail_from=job.prefer_tail_from)
+    plan = compactor.plan(job.messages, job.options, job.tenant, job.prefer_tail_from, job.tools)
     return plan, len(compactor.reusable(plan))
 
 
 def _whole_chunks_to_do(compactor: Compactor, job: CompactJob) -> tuple[CompactionPlan, list[int]]:
     """The job's plan and its whole chunks that the chunk cache does not hold yet (run in a worker thread)."""
-    plan = compactor.plan(job.messages, job.options, namespace=job.tenant)
+    plan = compactor.plan(job.messages, job.options, namespace=job.tenant, tools=job.tools)
     cached = compactor.reusable(plan)
     return plan, [k for k in compactor.whole_chunks(plan, job.roll_last) if k not in cached]
 

@@ -42,6 +42,7 @@ from compaction.turn_policy import (
 )
 from serving.coordinator import ServiceStats
 from serving.tenants import ANONYMOUS, DEFAULT_TENANT, Tenant
+from serving.wire.tools import engine_tools
 
 Status = Literal["applied", "running", "none"]
 Wire = Literal["chat", "responses", "messages"]
@@ -63,6 +64,9 @@ class ChatTurn(BaseModel):
     session_id: str | None = Field(description="x-session-id; background compaction needs one.")
     prompt_tokens: int = Field(description="Tokens of the request's rendered prompt, counted by the ingress.")
     tool_tokens: int = Field(0, description="Of prompt_tokens, those its tool list adds (every prompt has them).")
+    tools: list[dict[str, Any]] | None = Field(
+        None, description="Its tool list as the engine renders it (serving.wire.tools): compactions render it too."
+    )
     growth: int = Field(0, description="The most one turn of this session grew its prompt lately (tokens).")
     idle_s: float | None = Field(
         None, description="The session's mean time from a reply to its next turn lately (s); None: not measured."
@@ -340,6 +344,7 @@ async def prepare_turn(
         session_id=session,
         prompt_tokens=tokens,
         tool_tokens=tools,
+        tools=engine_tools(body.get("tools")),
         growth=growth,
         idle_s=idle,
         room=window - reply,

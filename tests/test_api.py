@@ -102,6 +102,8 @@ def test_an_oversize_body_without_length_is_cut_off(client: TestClient) -> None:
         ({**GOOD, "grounding_threshold": 1.5}, "grounding_threshold"),
         ({**GOOD, "grounding_threshold": "high"}, "grounding_threshold"),
         ({**GOOD, "unexpected": 1}, "unexpected"),
+        ({**GOOD, "tools": [{"type": "function"}]}, "tools[0].function"),
+        ({**GOOD, "tools": [{"type": "web_search", "function": {"name": "f"}}]}, "tools[0].type"),
     ],
 )
 def test_invalid_fields_get_422_naming_the_field(client: TestClient, body: dict[str, Any], field: str) -> None:

@@ -11,6 +11,7 @@ import pytest
 
 from compaction.history import parse_messages
 from compaction.turn_policy import prompt_tokens
+from jobs.data.traces import TOOLS, coding_trace
 from tests.support import SERVED_MODEL, SERVICE_KEY
 
 pytestmark = [pytest.mark.ray, pytest.mark.engine]
@@ -187,6 +188,25 @@ def test_a_finished_background_run_is_applied_at_the_next_turn_from_the_prefix_c
     assert compaction["compacted_prompt_tokens"] < compaction["prompt_tokens"] <= 1400
     usage = reply.usage
     assert usage.prompt_tokens_details.cached_tokens >= usage.prompt_tokens - 256  # all but the last blocks
+
+
+def test_a_tool_using_agents_compaction_reads_what_its_turns_cached(client: httpx.Client) -> None:
+    """A coding agent's turns send its tool list; its compaction sends the same list, so the chunk prompts start
+    with the agent's prompt tokens (tools in the system turn, tool calls in the template's markup) and vLLM
+    serves them from what the turns cached."""
+    messages = coding_trace(1, 2500).messages
+    session = f"tools-{uuid.uuid4().hex[:8]}"
+    calls = [i for i, m in enumerate(messages) if m["role"] == "assistant"][-2:]
+    for at in calls:  # the agent calls the model before each of its last two messages
+        body = {"model": MODEL, "messages": messages[:at], "tools": TOOLS, "max_tokens": 4, "temperature": 0}
+        client.post("/v1/chat/completions", json=body, headers={"x-session-id": session}).raise_for_status()
+    compact = {"model": MODEL, "messages": messages[: calls[-1]], "tools": TOOLS, "session_id": session}
+    response = client.post("/v1/compact", json={**compact, "chunk_tokens": 512, "max_chunk_summary_tokens": 16})
+    assert response.status_code == 200, response.text
+    stats = response.json()["stats"]
+    first = stats["per_chunk"][0]
+    assert stats["chunks"] >= 3 and stats["history_cached_fraction"] >= 0.8, stats
+    assert first["cached_prompt_tokens"] >= 0.6 * first["prompt_tokens"], first  # from the turns, not other chunks
 
 
 def test_a_back_to_back_agent_compacts_blocking_not_in_the_background(service: Any) -> None:

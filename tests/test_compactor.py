@@ -75,7 +75,7 @@ async def test_budgets_reach_the_backend(tokenizer: ChatTokenizer) -> None:
 async def test_keep_recent_tokens_keeps_whole_newest_messages(tokenizer: ChatTokenizer) -> None:
     compactor, _ = make(tokenizer)
     source = history()
-    result = await compactor.compact(source, {"chunk_tokens": 256, "keep_recent_tokens": 70})
+    result = await compactor.compact(source, {"chunk_tokens": 256, "keep_recent_tokens": 70, **PLAIN})
     kept = result.messages[2:]
     assert kept and [m.model_dump(exclude_none=True) for m in kept] == source[-len(kept) :]
     assert result.stats.input_tokens < result.stats.history_tokens - 60

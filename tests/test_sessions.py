@@ -11,14 +11,16 @@ from compaction.backend import GenerationRequest
 from compaction.chunk_cache import ChunkCache
 from compaction.compactor import Compactor
 from compaction.errors import BackendError, InvalidInput
-from compaction.history import parse_messages
+from compaction.history import chat_view, parse_messages
 from compaction.pacing import BACKGROUND
 from compaction.plan import is_summary
 from compaction.tokenizer import HFChatTokenizer
 from compaction.turn_policy import parse_context_management, prompt_tokens
+from jobs.data.traces import TOOLS, coding_trace
 from serving.background import SessionCompactions
 from serving.coordinator import AdmissionConfig, CompactJob, Coordinator, ModelRuntime, ServiceResult
 from serving.turns import WIRE_FIELD, ChatTurn, TurnCompaction
+from serving.wire.tools import engine_tools
 from tests.fakes import short_summary
 from tests.test_coordinator import MODEL, FakeReplicas, coordinator
 
@@ -567,3 +569,29 @@ async def test_a_chunk_whose_rolled_summary_fell_back_is_summarised_again_at_the
     assert outcome.status == "applied" and outcome.source == "blocking" and outcome.stats is not None
     again = [r for b in replicas.replicas.values() for r in b.requests[:] if r.priority != BACKGROUND]
     assert outcome.stats.reused_chunks == 0 and len(again) == outcome.stats.chunks  # every chunk asked again
+
+
+async def test_a_tool_using_agents_compaction_reads_what_its_turns_left_in_the_prefix_cache(
+    tokenizer: HFChatTokenizer,
+) -> None:
+    """The turn's tool list reaches the compaction, whose chunk prompts then start with the agent's own prompt
+    tokens (the template over tool calls, the tools in the system turn): they are served from the cache the
+    agent's turn filled. Without the list they part from it in the system turn: the first chunk's prompt finds only
+    the system message cached (later ones find the earlier chunks' prompts)."""
+    messages = coding_trace(0, 3000, tokenizer).messages
+    tools = engine_tools(TOOLS)
+    views = [chat_view(m) for m in parse_messages(messages)]
+    agent = tuple(tokenizer.encode(tokenizer.render(views, add_generation_prompt=True, tools=tools)))
+    figures = {}
+    for sent in (tools, None):
+        replicas = FakeReplicas()
+        await replicas.generate(GenerationRequest(prompt_token_ids=agent, max_tokens=8, routing_key="s1"))
+        request = turn(tokenizer, messages).model_copy(update={"tools": sent, "prompt_tokens": len(agent)})
+        outcome = await SessionCompactions(Counting(tokenizer, replicas)).turn(request, tokenizer)
+        assert outcome.status == "applied" and outcome.stats is not None and outcome.stats.chunks > 3
+        first = outcome.stats.per_chunk[0]
+        figures[sent is not None] = (
+            outcome.stats.history_cached_fraction,
+            first.cached_prompt_tokens / first.prompt_tokens,
+        )
+    assert figures[True][0] >= 0.9 and figures[True][1] >= 0.8 and figures[False][1] < 0.5, figures

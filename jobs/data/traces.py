@@ -143,6 +143,22 @@ SYSTEM = (
 )
 
 
+def _tool(name: str, description: str, *params: str) -> dict[str, Any]:
+    properties = {p: {"type": "string"} for p in params}
+    schema = {"type": "object", "properties": properties, "required": list(params)}
+    return {"type": "function", "function": {"name": name, "description": description, "parameters": schema}}
+
+
+# The tools of SYSTEM as the agent's /v1/chat/completions turns list them.
+TOOLS = [
+    _tool("read_file", "The contents of a file.", "path"),
+    _tool("search_code", "Matching lines as path:line:text.", "pattern", "path"),
+    _tool("list_dir", "The entries of a folder.", "path"),
+    _tool("run_command", "Run a shell command; returns its output.", "command"),
+    _tool("edit_file", "Replace one exact snippet in a file.", "path", "old", "new"),
+]
+
+
 class TokenCounter:
     """Running token count of a growing session, as the model's chat template renders it.
 

@@ -10,6 +10,7 @@ from compaction.pacing import Priority
 from serving.coordinator import CompactJob
 from serving.routing import PlacementMode
 from serving.tenants import ANONYMOUS, Tenant
+from serving.wire.tools import MAX_TOOLS, ToolSpec
 
 
 class CompactRequest(CompactionOptions):
@@ -40,6 +41,12 @@ class CompactRequest(CompactionOptions):
         description="Deadline in seconds, queue wait included; past it the answer is 504 and the work is "
         "cancelled. Default: the service's admission.timeout_s.",
     )
+    tools: list[ToolSpec] | None = Field(
+        None,
+        max_length=MAX_TOOLS,
+        description="The agent's tool list, as its /v1/chat/completions turns send it: the chunk prompts then start "
+        "with the tokens of the agent's own prompts and reuse what its turns left in the prefix cache.",
+    )
     priority: Priority = Field(
         "agent",
         description="agent: the caller waits for it, its prompts run beside agent turns; background: its prompts "
@@ -55,6 +62,7 @@ class CompactRequest(CompactionOptions):
             placement=self.placement,
             timeout_s=self.timeout_s,
             priority=self.priority,
+            tools=[tool.engine_form() for tool in self.tools] if self.tools else None,
             tenant=tenant.id,
             cache_salt=tenant.cache_salt,
         )

@@ -1,6 +1,7 @@
 """Prefix-cache affinity, measured by the engine: an agent session's turns, then its compaction.
 
     python -m jobs.bench.affinity [--port 8000] [--base-tokens 2400] [--turns 3] [--turn-tokens 300]
+    python -m jobs.bench.affinity --trace coding [--base-tokens 2400] [--turns 3]
 
 Starts the service, then plays the same agent session three times, each on empty prefix caches:
   - affinity on: the agent's /v1/chat/completions turns carry `x-session-id` (so they stay on the
@@ -13,6 +14,11 @@ bringing the next ~`--turn-tokens` of the conversation as a new user message (as
 would) and getting a short reply. For each run it prints the compaction's history prompt tokens
 and how many vLLM served from its prefix cache (definitions in `serving.coordinator`), and the
 prompt tokens the agent's turns and the compaction had to compute.
+
+`--trace coding`: a generated coding-agent session (`jobs.data.traces`) with its tool list: the agent's turns
+are its calls of the model before each of its last `--turns` assistant messages (the trace's own message then
+follows, as a replayed agent's would), each sending the tool list; the compaction sends the same list
+(`tools`), so its chunk prompts render as the agent's turns and read their prefix cache.
 """
 
 from __future__ import annotations
@@ -39,6 +45,19 @@ COMPACTION = {"strategy": "parallel", "chunk_tokens": 512, "max_chunk_summary_to
 class Session:
     base: list[dict[str, Any]]  # the history before the agent's turns
     observations: list[str]  # the new user message of each turn
+    tools: list[dict[str, Any]] | None = None  # the agent's tool list (a replayed trace)
+    replay: list[dict[str, Any]] | None = None  # a replayed trace: the whole session, the turns are its calls
+    calls: tuple[int, ...] = ()  # a replayed trace: the messages before each of the agent's model calls
+
+
+def coding_session(tokenizer: ChatTokenizer, base_tokens: int, turns: int, turn_tokens: int) -> Session:
+    """A coding-agent trace of about `base_tokens` + `turns` x `turn_tokens` tokens; its model calls: before each
+    of its last `turns` assistant messages."""
+    from jobs.data.traces import TOOLS, coding_trace
+
+    messages = coding_trace(0, base_tokens + turns * turn_tokens, tokenizer).messages
+    replies = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    return Session([], [], TOOLS, messages, tuple(replies[-turns:]))
 
 
 def make_session(
@@ -76,16 +95,24 @@ async def play(
     headers = {"x-session-id": session_id} if sticky_turns else {}
     messages = list(session.base)
     turns = {"prompt_tokens": 0, "cached_tokens": 0}
-    for text in session.observations:
-        messages.append({"role": "user", "content": text})
-        body = {"model": model, "messages": messages, "max_tokens": 24, "temperature": 0.0}
+    listed = {"tools": session.tools} if session.tools else {}
+
+    async def call(messages: list[dict[str, Any]]) -> str:
+        body = {"model": model, "messages": messages, "max_tokens": 24, "temperature": 0.0, **listed}
         response = await client.post("/v1/chat/completions", json=body, headers=headers)
         response.raise_for_status()
         turn = response.json()
         turns["prompt_tokens"] += turn["usage"]["prompt_tokens"]
         turns["cached_tokens"] += (turn["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-        messages.append({"role": "assistant", "content": turn["choices"][0]["message"]["content"] or "ok"})
-    request: dict[str, Any] = {"model": model, "messages": messages, **COMPACTION}
+        return str(turn["choices"][0]["message"]["content"] or "ok")
+
+    for text in session.observations:
+        messages.append({"role": "user", "content": text})
+        messages.append({"role": "assistant", "content": await call(messages)})
+    for at in session.calls:  # a replayed trace: the model is called, the trace's own reply follows
+        messages = (session.replay or [])[:at]
+        await call(messages)
+    request: dict[str, Any] = {"model": model, "messages": messages, **COMPACTION, **listed}
     if session_compaction:
         request["session_id"] = session_id
     else:
@@ -125,15 +152,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--base-tokens", type=int, default=2400)
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--turn-tokens", type=int, default=300)
+    parser.add_argument("--trace", choices=["locomo", "coding"], default="locomo")
     args = parser.parse_args(argv)
 
     from compaction.tokenizer import HFChatTokenizer
     from serving.weights import fetch
 
     tokenizer = HFChatTokenizer.from_path(fetch())
-    session = make_session(
-        load_conversation(args.conversation), tokenizer, args.base_tokens, args.turns, args.turn_tokens
-    )
+    if args.trace == "coding":
+        session = coding_session(tokenizer, args.base_tokens, args.turns, args.turn_tokens)
+    else:
+        conversation = load_conversation(args.conversation)
+        session = make_session(conversation, tokenizer, args.base_tokens, args.turns, args.turn_tokens)
     with local_service(args.port, replicas(2)) as (service, reset):  # placement across replicas needs two
         results = asyncio.run(measure(service.url, session, reset.cold))
     for label, stats in results.items():

@@ -12,8 +12,9 @@ and waits only for what is left. A run is used only by a turn of the same model 
 When the prompt a turn is answered from already wants a background run (past background_threshold,
 or one more turn like this one would pass compact_threshold), that prompt is the next snapshot.
 
-With apply_background "rolling" a run (one per session at a time) summarises chunks into the chunk cache, nothing
-spliced: the turn past the hard threshold compacts as blocking would, taking them or joining them (see `_job`).
+With apply_background "rolling" a run (one per session at a time; the last turn's before the threshold starts beside
+one still in flight, joining its chunks) summarises chunks into the chunk cache, nothing spliced: the turn past the
+hard threshold compacts as blocking would, taking them or joining them (see `_job`).
 
 Nothing here is needed for correctness: the client carries the compacted history, so losing this
 state (a restart, an eviction) costs only a recomputation. So it is bounded in sessions and in bytes
@@ -88,6 +89,7 @@ class _Running:
     rolling: bool = False  # summaries for the chunk cache (apply_background "rolling"), never spliced
     sent: asyncio.Event = field(default_factory=asyncio.Event)  # rolling: its chunk prompts are in flight
     last: bool = False  # rolling: the last turn's run, which summarised its whole snapshot (`SessionCompactions._job`)
+    beside: _Running | None = None  # last: a run still in flight when it started, which goes on (its chunks joined)
 
     def state(self, digests: Sequence[str], turn: ChatTurn) -> Background:
         if self.made_for != _made_for(turn) or not self.snapshot.covers(digests):
@@ -99,6 +101,19 @@ class _Running:
     def cancel(self) -> None:
         self.compaction.cancel()
         self.warmed.cancel()
+        if self.beside is not None:
+            self.beside.cancel()
+
+    def hurry(self) -> None:
+        """A turn waits for it: its prompts, and those of the run beside it, go on at the agent's priority."""
+        self.urgent.set()
+        if self.beside is not None:
+            self.beside.urgent.set()
+
+    def held(self) -> int:
+        """Bytes it holds, with the run beside it while that one runs."""
+        beside = self.beside
+        return self.bytes + (beside.bytes if beside is not None and not beside.warmed.done() else 0)
 
 
 def _made_for(turn: ChatTurn) -> tuple[str, str, str, str | None]:
@@ -147,7 +162,10 @@ class SessionCompactions:
         state: Background = running.state(digests, turn) if running else "absent"
         has_session = turn.session_id is not None
         fresh = turn.prompt_tokens - running.tokens if running is not None and state != "absent" else None
-        action = decide(turn.prompt_tokens, turn.entry, state, has_session, turn.growth, turn.idle_s, turn.force, fresh)
+        last = running is not None and running.last
+        action = decide(
+            turn.prompt_tokens, turn.entry, state, has_session, turn.growth, turn.idle_s, turn.force, fresh, last
+        )
         if action == "start_background" and (self._roll is not None or turn.entry.apply_background != "rolling"):
             if not self._room_for(turn):
                 full = f"no background compaction: this tenant has {self._cap(turn.tenant)} running already"
@@ -161,7 +179,7 @@ class SessionCompactions:
         result: ServiceResult | int | None = None
         prefer = running.snapshot.length if running and running.last and state in ("running", "done") else None
         if running is not None and running.rolling and state == "running":
-            running.urgent.set()  # its prompts go on at the agent's priority; the compaction below joins them
+            running.hurry()  # its prompts go on at the agent's priority; the compaction below joins them
             sent = asyncio.ensure_future(running.sent.wait())
             try:
                 await asyncio.wait({sent, running.compaction}, return_when=asyncio.FIRST_COMPLETED)
@@ -211,7 +229,7 @@ class SessionCompactions:
 
     def bytes(self) -> int:
         """What the kept background runs hold, about (see `_Running.bytes`)."""
-        return sum(r.bytes for runs in self._runs.values() for r in runs.values())
+        return sum(r.held() for runs in self._runs.values() for r in runs.values())
 
     def _start(self, turn: ChatTurn, messages: Sequence[Message], digests: Sequence[str], tokens: int) -> None:
         session = turn.session_id or ""
@@ -226,17 +244,22 @@ class SessionCompactions:
         for task in (compaction, warmed):
             task.add_done_callback(_retrieve)
         warmed.add_done_callback(lambda _: _retrieve(compaction))  # re-raised in _warmed: its frames again
-        sessions = self._sessions(turn)
-        if (stale := sessions.pop(session)) is not None:  # a history the client no longer has, or other options
-            stale.cancel()
+        sessions, beside = self._sessions(turn), None
+        if (stale := sessions.pop(session)) is not None:
+            if last and stale.rolling and not stale.last and stale.state(digests, turn) == "running":
+                beside = stale  # a run of this history still in flight: it goes on, its chunks joined by this one
+            else:  # a history the client no longer has, or other options
+                stale.cancel()
         snapshot, size = Snapshot.of(digests), len(job.model_dump_json())
         running = _Running(
-            snapshot, _made_for(turn), compaction, warmed, urgent, size, tokens, roll is not None, sent, last
+            snapshot, _made_for(turn), compaction, warmed, urgent, size, tokens, roll is not None, sent, last, beside
         )
+        if beside is not None:  # once it ends, only the chunk cache keeps what it made
+            beside.warmed.add_done_callback(lambda _: setattr(running, "beside", None))
         compaction.add_done_callback(lambda task: _measure(running, task))
         sessions.put(session, running)
         while self.bytes() > self.max_bytes and len(self) > 1:  # the heaviest tenant's oldest run goes first
-            heaviest = max(self._runs.values(), key=lambda runs: sum(r.bytes for r in runs.values()))
+            heaviest = max(self._runs.values(), key=lambda runs: sum(r.held() for r in runs.values()))
             heaviest.pop_oldest()
 
     async def _warmed(
@@ -255,7 +278,7 @@ class SessionCompactions:
     async def _finish(running: _Running) -> tuple[ServiceResult | int | None, str | None]:
         """The background result, waiting for what is left of it at the agent's priority; None (and why) if it
         failed."""
-        running.urgent.set()
+        running.hurry()
         try:
             return await asyncio.shield(running.compaction), None
         except asyncio.CancelledError:

@@ -551,6 +551,39 @@ async def test_a_chunk_summarised_ahead_for_another_span_end_never_cuts_the_thre
     assert outcome.stats.reused_chunks >= 1 and sent == outcome.stats.chunks - outcome.stats.reused_chunks >= 1
 
 
+async def test_the_last_turn_before_the_threshold_rolls_beside_a_run_still_in_flight_and_joins_its_chunks(
+    tokenizer: HFChatTokenizer,
+) -> None:
+    """A regular rolling run is still in flight (the engines hold every prompt) when the last turn before the
+    threshold comes: that turn's run starts beside it, the first run goes on, no chunk prompt is sent twice, and
+    the turn past the threshold sends nothing: its compaction is blocking's, every chunk found summarised."""
+    gate = asyncio.Event()
+    replicas = FakeReplicas(gate=gate)
+    served = cached_coordinator(tokenizer, replicas)
+    sessions = SessionCompactions(served.compact, roll=served.roll)
+    history: list[dict[str, Any]] = [SYSTEM, *conversation(0, 16)]
+    assert (await sessions.turn(turn(tokenizer, history, **ROLLING), tokenizer)).status == "running"
+    await until(lambda: replicas.parked >= 1)
+    first = replicas.parked
+    before, after, growth = turns_around_the_threshold(
+        tokenizer, history, f"A: {notes(30)}", "Noted.", f"B: {notes(12)}"
+    )
+    ahead = turn(tokenizer, before, **ROLLING).model_copy(update={"growth": growth})
+    assert (await sessions.turn(ahead, tokenizer)).status == "running"
+    await until(lambda: replicas.parked > first)  # the last run's own chunks; the first run's are joined
+    gate.set()
+    await until(lambda: not sessions.running() and sent_so_far(replicas) == replicas.parked)
+    prompts = [tuple(r.prompt_token_ids) for b in replicas.replicas.values() for r in b.requests]
+    assert len(prompts) == len(set(prompts)) > first  # the first run was not cancelled: nothing sent twice
+    sent = sent_so_far(replicas)
+    outcome = await sessions.turn(turn(tokenizer, after, **ROLLING).model_copy(update={"growth": growth}), tokenizer)
+    alone = cached_coordinator(tokenizer, FakeReplicas())
+    blocking = await SessionCompactions(alone.compact).turn(turn(tokenizer, after, **ROLLING), tokenizer)
+    assert outcome.status == blocking.status == "applied" and outcome.messages == blocking.messages
+    assert outcome.stats is not None and outcome.stats.reused_chunks == outcome.stats.chunks >= 2
+    assert sent_so_far(replicas) == sent  # nothing asked at the threshold
+
+
 async def test_a_chunk_whose_rolled_summary_fell_back_is_summarised_again_at_the_threshold(
     tokenizer: HFChatTokenizer,
 ) -> None:

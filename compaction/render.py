@@ -257,10 +257,17 @@ def rendered_tokens(
     add_generation_prompt: bool = False,
 ) -> int:
     """Tokens of the history as `render_history` renders it (with the generation prompt: an agent's turn of it)."""
-    agent = _as_agents_turns(messages, tokenizer, tools)
-    views = [chat_view(m) if agent else template_view(m) for m in messages]
-    extra = {"tools": tools} if tools and agent else {}
+    views = rendered_views(messages, tokenizer, tools)
+    extra = {"tools": tools} if tools and _as_agents_turns(messages, tokenizer, tools) else {}
     return len(tokenizer.encode(tokenizer.render(views, add_generation_prompt=add_generation_prompt, **extra)))
+
+
+def rendered_views(
+    messages: Sequence[Message], tokenizer: ChatTokenizer, tools: Sequence[Mapping[str, Any]] | None = None
+) -> list[dict[str, Any]]:
+    """The views `render_history` renders the history from: the agent's (`chat_view`) or `template_view`s."""
+    agent = _as_agents_turns(messages, tokenizer, tools)
+    return [chat_view(m) if agent else template_view(m) for m in messages]
 
 
 def _tokens_at(chars: Sequence[int], offsets: Sequence[int]) -> tuple[int, ...]:
@@ -308,7 +315,7 @@ def _as_agent(
     sentinels, and in the template text before each (and after the last) the messages it holds take the
     turn ends found there, the last message the last turn end. A message with none left starts where the
     text before it begins, inside an open turn (`open_starts`)."""
-    views = [chat_view(m) for m in messages]
+    views = rendered_views(messages, tokenizer, tools)
     text = _render(tokenizer, views, tools)
     which = [i for i, view in enumerate(views) if view["content"]]
     spans, pieces = located_contents(views, text, tokenizer, which, tools)

@@ -32,7 +32,7 @@ from compaction.context_edits import Edit, apply_edits
 from compaction.errors import InvalidInput, PromptTooLong
 from compaction.history import Message, chat_view, parse_messages, template_view
 from compaction.partition import PlanLimits
-from compaction.render import token_floor
+from compaction.render import rendered_views, token_floor
 from compaction.tokenizer import ChatTokenizer
 from compaction.turn_policy import (
     ContextManagement,
@@ -148,7 +148,9 @@ class PromptCounter:
         return known
 
     def count(self, messages: Sequence[Message], session: str | None) -> int:
-        views = [template_view(m) for m in messages]
+        """Tokens of the prompt of `messages` without the tool list (`tool_tokens` adds it), rendered as the engine
+        renders them (`compaction.render.rendered_views`)."""
+        views = rendered_views(messages, self.tokenizer)
         history = self.tokenizer.render(views)
         full = self.tokenizer.render(views, add_generation_prompt=True)
         if not full.startswith(history):

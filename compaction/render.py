@@ -122,7 +122,7 @@ def located_contents(
     template's own text before, between and after them."""
     marked = {i: n for n, i in enumerate(which)}
     blank = [{**v, "content": _sentinel(marked[i])} if i in marked else v for i, v in enumerate(views)]
-    skeleton = _render(tokenizer, blank, tools)
+    skeleton = tokenizer.render(blank, tools=tools)
     parts = _SENTINEL.split(skeleton)
     pieces, order = parts[0::2], [int(i) for i in parts[1::2]]
     if order != list(range(len(which))):
@@ -144,12 +144,6 @@ def located_contents(
     if text[cursor:] != pieces[-1]:
         raise _unsupported("renders differently depending on message content")
     return tuple(spans), pieces
-
-
-def _render(
-    tokenizer: ChatTokenizer, views: Sequence[dict[str, Any]], tools: Sequence[Mapping[str, Any]] | None
-) -> str:
-    return tokenizer.render(views, tools=tools) if tools else tokenizer.render(views)
 
 
 def encode_rendering(text: str, spans: Sequence[Span], tokenizer: ChatTokenizer) -> tuple[list[int], list[int]]:
@@ -258,8 +252,8 @@ def rendered_tokens(
 ) -> int:
     """Tokens of the history as `render_history` renders it (with the generation prompt: an agent's turn of it)."""
     views = rendered_views(messages, tokenizer, tools)
-    extra = {"tools": tools} if tools and _as_agents_turns(messages, tokenizer, tools) else {}
-    return len(tokenizer.encode(tokenizer.render(views, add_generation_prompt=add_generation_prompt, **extra)))
+    listed = tools if _as_agents_turns(messages, tokenizer, tools) else None
+    return len(tokenizer.encode(tokenizer.render(views, add_generation_prompt, listed)))
 
 
 def rendered_views(
@@ -316,7 +310,7 @@ def _as_agent(
     turn ends found there, the last message the last turn end. A message with none left starts where the
     text before it begins, inside an open turn (`open_starts`)."""
     views = rendered_views(messages, tokenizer, tools)
-    text = _render(tokenizer, views, tools)
+    text = tokenizer.render(views, tools=tools)
     which = [i for i, view in enumerate(views) if view["content"]]
     spans, pieces = located_contents(views, text, tokenizer, which, tools)
     ids, offsets = encode_rendering(text, spans, tokenizer)

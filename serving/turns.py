@@ -135,24 +135,26 @@ class PromptCounter:
         self._tools: BoundedLRU[str, int] = BoundedLRU(1024)  # digest of a tool list -> the tokens it adds
 
     def tool_tokens(self, tools: Any) -> int:
-        """Tokens a request's tool list adds to its prompt (0 without one)."""
-        if not isinstance(tools, list) or not tools:
+        """Tokens a request's tool list adds to its prompt (0 without one), in the form the engine renders it."""
+        listed = engine_tools(tools)
+        if listed is None:
             return 0
-        key = _digest(json.dumps(tools, sort_keys=True, default=str))
+        key = _digest(json.dumps(listed, default=str))
         known = self._tools.get(key)
         if known is None:
             bare = [{"role": "system", "content": ""}]
-            with_tools = self.tokenizer.chat_prompt_tokens(bare, tools)
+            with_tools = self.tokenizer.chat_prompt_tokens(bare, listed)
             known = max(0, with_tools - self.tokenizer.chat_prompt_tokens(bare, None))
             self._tools.put(key, known)
         return known
 
-    def count(self, messages: Sequence[Message], session: str | None) -> int:
-        """Tokens of the prompt of `messages` without the tool list (`tool_tokens` adds it), rendered as the engine
-        renders them (`compaction.render.rendered_views`)."""
-        views = rendered_views(messages, self.tokenizer)
-        history = self.tokenizer.render(views)
-        full = self.tokenizer.render(views, add_generation_prompt=True)
+    def count(self, messages: Sequence[Message], session: str | None, tools: Any = None) -> int:
+        """Tokens of the prompt of `messages` and the request's `tools`, rendered as the engine renders them
+        (`compaction.render.rendered_views`, the list as `serving.wire.tools` has it)."""
+        listed = engine_tools(tools)
+        views = rendered_views(messages, self.tokenizer, listed)
+        history = self.tokenizer.render(views, tools=listed)
+        full = self.tokenizer.render(views, add_generation_prompt=True, tools=listed)
         if not full.startswith(history):
             return len(self.tokenizer.encode(full))
         cut = max((history.rfind(s) + len(s) for s in self.specials if s in history), default=0)
@@ -303,7 +305,7 @@ def counted(
     if limits is not None:
         check_fits(messages, counter.tokenizer, limits)
     tool_tokens = counter.tool_tokens(tools)
-    return messages, tool_tokens, counter.count(messages, session) + tool_tokens
+    return messages, tool_tokens, counter.count(messages, session, tools)
 
 
 async def prepare_turn(

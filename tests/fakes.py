@@ -82,7 +82,7 @@ class ChatMLTokenizer:
         self._texts: list[str] = list(self.SPECIALS)
         self._special = re.compile("|".join(re.escape(s) for s in self.SPECIALS))
 
-    def render(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = False) -> str:
+    def render(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = False, tools: Any = None) -> str:
         head = "" if messages and messages[0]["role"] == "system" else self._turn("system", self.DEFAULT_SYSTEM)
         body = "".join(self._turn(m["role"], m["content"]) for m in messages)
         return head + body + ("<|im_start|>assistant\n" if add_generation_prompt else "")

@@ -190,6 +190,24 @@ def test_a_finished_background_run_is_applied_at_the_next_turn_from_the_prefix_c
     assert usage.prompt_tokens_details.cached_tokens >= usage.prompt_tokens - 256  # all but the last blocks
 
 
+def test_a_tool_using_turn_is_counted_as_the_engine_counts_it(service: Any) -> None:
+    """The thresholds are compared with the ingress's count of a turn: for a coding agent's turn (tool calls, tool
+    results and its tool list) it is the engine's own prompt count."""
+    client = openai_client(service.url)
+    history = [*coding_history(6), {"role": "user", "content": "Which module has the bug?"}]
+    reply = client.chat.completions.create(
+        model=MODEL,
+        messages=history,
+        tools=TOOLS,
+        max_tokens=4,
+        temperature=0,
+        extra_body={"context_management": [{**ENTRY, "compact_threshold": 4000}]},
+        extra_headers={"x-session-id": f"count-{uuid.uuid4().hex[:8]}"},
+    )
+    counted = reply.model_extra["compaction"]
+    assert counted["status"] == "none" and counted["prompt_tokens"] == reply.usage.prompt_tokens, counted
+
+
 def test_a_tool_using_agents_compaction_reads_what_its_turns_cached(client: httpx.Client) -> None:
     """A coding agent's turns send its tool list; its compaction sends the same list, so the chunk prompts start
     with the agent's prompt tokens (tools in the system turn, tool calls in the template's markup) and vLLM

@@ -104,7 +104,7 @@ class FoldingTokenizer(ChatMLTokenizer):
     def _turn(role: str, content: str) -> str:
         return f"<|im_start|>{content}<|im_end|>"
 
-    def render(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = False) -> str:
+    def render(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = False, tools: Any = None) -> str:
         if len(messages) > 1 and messages[0]["role"] == "system" and messages[1]["role"] == "user":
             folded = {"role": "user", "content": f"{messages[0]['content']} {messages[1]['content']}"}
             text = "".join(self._turn(m["role"], m["content"]) for m in [folded, *messages[2:]])

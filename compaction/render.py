@@ -15,6 +15,9 @@ stretches where a control token was found inside a message's content are tokenis
 Where each message's content lies in the rendering is found by rendering the same history with
 every content replaced by a sentinel: the template's own text between sentinels is exact, so the
 content spans follow without guessing (templates that trim content are handled too).
+
+A history with tool traffic is rendered as the agent's turns were (`chat_view`s and its tool list, when
+the template writes tool calls): token for token the prompts vLLM's chat endpoint prefilled for it.
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -40,7 +40,7 @@ from pydantic import ConfigDict, Field, ValidationError, model_validator
 from compaction.errors import InvalidInput
 from compaction.history import Message
 from compaction.options import CompactionOptions
-from compaction.render import rendered_tokens
+from compaction.render import rendered_views
 from compaction.tokenizer import ChatTokenizer
 
 # Defaults that follow the threshold when the entry does not set them.
@@ -160,9 +160,13 @@ def check_window(entry: ContextManagement, window: int, reply_tokens: int, at: s
         )
 
 
-def prompt_tokens(messages: Sequence[Message], tokenizer: ChatTokenizer) -> int:
-    """Tokens of the prompt the model would see for these messages (chat template + generation prompt)."""
-    return rendered_tokens(messages, tokenizer, add_generation_prompt=True)
+def prompt_tokens(
+    messages: Sequence[Message], tokenizer: ChatTokenizer, tools: Sequence[Mapping[str, Any]] | None = None
+) -> int:
+    """Tokens of the prompt the model would see for these messages and this tool list: the chat template (over
+    the views `compaction.render` renders from) with the tools and the generation prompt."""
+    views = rendered_views(messages, tokenizer, tools)
+    return len(tokenizer.encode(tokenizer.render(views, add_generation_prompt=True, tools=tools)))
 
 
 def message_digests(messages: Sequence[Message]) -> list[str]:

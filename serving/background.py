@@ -31,13 +31,10 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Coroutine, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Literal, TypeVar
-
-from pydantic import BaseModel
+from typing import Any, Literal
 
 from compaction.bounded import BoundedLRU
-from compaction.errors import BackendError, CompactionError, InvalidInput, NothingToCompact
+from compaction.errors import CompactionError, InvalidInput, NothingToCompact
 from compaction.history import Message
 from compaction.pacing import Priority
 from compaction.tokenizer import ChatTokenizer
@@ -52,7 +49,7 @@ from compaction.turn_policy import (
     wants_background,
 )
 from serving.coordinator import CompactJob, ServiceResult
-from serving.errors import Failure
+from serving.runs import Running, lean, lean_message, measure, retrieve, usable_by
 from serving.turns import WIRE_FIELD, ChatTurn, Status, TurnCompaction, Wire
 
 DEFAULT_MAX_BYTES = 512 * 2**20  # per coordinator replica: background jobs and results kept for their sessions
@@ -72,52 +69,6 @@ WarmFn = Callable[[str, list[Message], str, str | None], Coroutine[Any, Any, int
 
 
 logger = logging.getLogger(__name__)
-Result = TypeVar("Result")
-
-
-@dataclass
-class _Running:
-    """A background compaction of one session's snapshot, then its compacted prompt prefilled (`warmed`)."""
-
-    snapshot: Snapshot  # the messages it summarises
-    made_for: tuple[str, str, str, str | None]  # model, options, tenant, salt: only a turn with the same may use it
-    compaction: asyncio.Task[ServiceResult | int]  # a rolling run's result: the chunks it put in the chunk cache
-    warmed: asyncio.Task[ServiceResult | int]  # the compaction's result once its prompt is prefilled (or that failed)
-    urgent: asyncio.Event  # set when a turn waits for it: its prompts then go at the agent's priority
-    bytes: int = 0  # what it holds: its job's JSON while it runs, its result's once done, about 0 if it failed
-    tokens: int = 0  # the snapshot's prompt tokens
-    rolling: bool = False  # summaries for the chunk cache (apply_background "rolling"), never spliced
-    sent: asyncio.Event = field(default_factory=asyncio.Event)  # rolling: its chunk prompts are in flight
-    last: bool = False  # rolling: the last turn's run, which summarised its whole snapshot (`SessionCompactions._job`)
-    beside: _Running | None = None  # last: a run still in flight when it started, which goes on (its chunks joined)
-
-    def state(self, digests: Sequence[str], turn: ChatTurn) -> Background:
-        if self.made_for != _made_for(turn) or not self.snapshot.covers(digests):
-            return "absent"  # other options, or the client's history moved on (edited, compacted by other means)
-        if not self.warmed.done():
-            return "running"
-        return "failed" if self.warmed.cancelled() or self.warmed.exception() is not None else "done"
-
-    def cancel(self) -> None:
-        self.compaction.cancel()
-        self.warmed.cancel()
-        if self.beside is not None:
-            self.beside.cancel()
-
-    def hurry(self) -> None:
-        """A turn waits for it: its prompts, and those of the run beside it, go on at the agent's priority."""
-        self.urgent.set()
-        if self.beside is not None:
-            self.beside.urgent.set()
-
-    def held(self) -> int:
-        """Bytes it holds, with the run beside it while that one runs."""
-        beside = self.beside
-        return self.bytes + (beside.bytes if beside is not None and not beside.warmed.done() else 0)
-
-
-def _made_for(turn: ChatTurn) -> tuple[str, str, str, str | None]:
-    return turn.model, turn.entry.options().model_dump_json(), turn.tenant, turn.cache_salt
 
 
 class SessionCompactions:
@@ -142,13 +93,13 @@ class SessionCompactions:
         self.max_running_per_tenant = max_running_per_tenant
         self._tenant_cap = tenant_cap  # a tenant's own cap on requests at once (its max_concurrent_requests)
         # Per tenant (each bounded by max_sessions, so one tenant's sessions never evict another's):
-        self._runs: dict[str, BoundedLRU[str, _Running]] = {}  # session -> its background run (evicted: cancelled)
+        self._runs: dict[str, BoundedLRU[str, Running]] = {}  # session -> its background run (evicted: cancelled)
         self._formats: dict[str, BoundedLRU[str, Wire]] = {}  # session -> the format it speaks
 
     def __len__(self) -> int:
         return sum(len(runs) for runs in self._runs.values())
 
-    def _sessions(self, turn: ChatTurn) -> BoundedLRU[str, _Running]:
+    def _sessions(self, turn: ChatTurn) -> BoundedLRU[str, Running]:
         if turn.tenant not in self._runs:
             self._runs[turn.tenant] = BoundedLRU(self.max_sessions, on_evict=lambda _, run: run.cancel())
         return self._runs[turn.tenant]
@@ -228,7 +179,7 @@ class SessionCompactions:
         return sum(not r.warmed.done() for runs in self._runs.values() for r in runs.values())
 
     def bytes(self) -> int:
-        """What the kept background runs hold, about (see `_Running.bytes`)."""
+        """What the kept background runs hold, about (see `Running.bytes`)."""
         return sum(r.held() for runs in self._runs.values() for r in runs.values())
 
     def _start(self, turn: ChatTurn, messages: Sequence[Message], digests: Sequence[str], tokens: int) -> None:
@@ -236,14 +187,14 @@ class SessionCompactions:
         urgent, sent = asyncio.Event(), asyncio.Event()
         roll = self._roll if turn.entry.apply_background == "rolling" else None
         last = roll is not None and last_before_threshold(tokens, turn.growth, turn.entry)
-        job = self._job(turn, [_lean_message(m) for m in messages], "background", last)
+        job = self._job(turn, [lean_message(m) for m in messages], "background", last)
         work: Callable[[], Coroutine[Any, Any, ServiceResult | int]]
         work = (lambda: roll(job, urgent, sent)) if roll is not None else (lambda: self._compact(job, urgent))
-        compaction: asyncio.Task[ServiceResult | int] = asyncio.create_task(_lean(work), name=f"background-{session}")
-        warmed = asyncio.create_task(_lean(lambda: self._warmed(compaction, job, urgent)), name=f"warm-{session}")
+        compaction: asyncio.Task[ServiceResult | int] = asyncio.create_task(lean(work), name=f"background-{session}")
+        warmed = asyncio.create_task(lean(lambda: self._warmed(compaction, job, urgent)), name=f"warm-{session}")
         for task in (compaction, warmed):
-            task.add_done_callback(_retrieve)
-        warmed.add_done_callback(lambda _: _retrieve(compaction))  # re-raised in _warmed: its frames again
+            task.add_done_callback(retrieve)
+        warmed.add_done_callback(lambda _: retrieve(compaction))  # re-raised in _warmed: its frames again
         sessions, beside = self._sessions(turn), None
         if (stale := sessions.pop(session)) is not None:
             if last and stale.rolling and not stale.last and stale.state(digests, turn) == "running":
@@ -251,12 +202,12 @@ class SessionCompactions:
             else:  # a history the client no longer has, or other options
                 stale.cancel()
         snapshot, size = Snapshot.of(digests), len(job.model_dump_json())
-        running = _Running(
-            snapshot, _made_for(turn), compaction, warmed, urgent, size, tokens, roll is not None, sent, last, beside
+        running = Running(
+            snapshot, usable_by(turn), compaction, warmed, urgent, size, tokens, roll is not None, sent, last, beside
         )
         if beside is not None:  # once it ends, only the chunk cache keeps what it made
             beside.warmed.add_done_callback(lambda _: setattr(running, "beside", None))
-        compaction.add_done_callback(lambda task: _measure(running, task))
+        compaction.add_done_callback(lambda task: measure(running, task))
         sessions.put(session, running)
         while self.bytes() > self.max_bytes and len(self) > 1:  # the heaviest tenant's oldest run goes first
             heaviest = max(self._runs.values(), key=lambda runs: sum(r.held() for r in runs.values()))
@@ -275,7 +226,7 @@ class SessionCompactions:
         return result
 
     @staticmethod
-    async def _finish(running: _Running) -> tuple[ServiceResult | int | None, str | None]:
+    async def _finish(running: Running) -> tuple[ServiceResult | int | None, str | None]:
         """The background result, waiting for what is left of it at the agent's priority; None (and why) if it
         failed."""
         running.hurry()
@@ -306,12 +257,12 @@ class SessionCompactions:
                 source = "background"  # made of summaries rolled in the background (and the chunks that were not)
         head, through = result.messages[: result.kept_head + 1], result.replaces_through
         prompt = spliced(head, through, turn.messages)
-        tokens = prompt_tokens(prompt, tokenizer) + turn.tool_tokens
+        tokens = prompt_tokens(prompt, tokenizer, turn.tools)
         if tokens > turn.entry.compact_threshold:  # the history grew past the threshold again since the snapshot
             result = await self._compact(self._job(turn, prompt), asyncio.Event())
             head, through = _compose(result, len(head), through, prompt)
             prompt = spliced(head, through, turn.messages)
-            tokens = prompt_tokens(prompt, tokenizer) + turn.tool_tokens
+            tokens = prompt_tokens(prompt, tokenizer, turn.tools)
         if turn.session_id and wants_background(tokens, turn.growth, turn.entry, turn.idle_s) and self._room_for(turn):
             self._start(turn, prompt, message_digests(prompt), tokens)  # the compacted prompt is the next snapshot
         return TurnCompaction(
@@ -377,48 +328,3 @@ def _compose(
     if result.replaces_through < head_len:  # part of the earlier head stayed verbatim after the new summary
         return [*head, *prompt[result.replaces_through : head_len]], through
     return head, through + result.replaces_through - head_len
-
-
-def _lean_message(message: Message) -> Message:
-    """The message rebuilt from its declared fields alone, at every level (content parts and tool calls too): the
-    template reads no extra field, so a background run keeps none."""
-    return Message.model_validate(_declared(message))
-
-
-def _declared(model: BaseModel) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for name in type(model).model_fields:
-        value = getattr(model, name)
-        if isinstance(value, BaseModel):
-            value = _declared(value)
-        elif isinstance(value, list):
-            value = [_declared(v) if isinstance(v, BaseModel) else v for v in value]
-        if value is not None:
-            out[name] = value
-    return out
-
-
-async def _lean(work: Callable[[], Coroutine[Any, Any, Result]]) -> Result:
-    """`work()`'s result, or its error alone: raised afresh, without the traceback whose frames hold its plan."""
-    try:
-        return await work()
-    except CompactionError as exc:
-        error: Exception = Failure.of(exc).exception()
-    except Exception as exc:  # whatever failed, the turn that uses the run compacts again
-        error = BackendError(f"{type(exc).__name__}: {exc}")
-    del work  # the task keeps the error's traceback, which holds this frame: not the job `work` closes over
-    raise error
-
-
-def _measure(running: _Running, task: asyncio.Task[ServiceResult | int]) -> None:
-    """A finished run holds its result (or, failed or rolled, almost nothing)."""
-    done = not task.cancelled() and task.exception() is None
-    result = task.result() if done else None
-    running.bytes = len(result.model_dump_json()) if isinstance(result, ServiceResult) else 0
-
-
-def _retrieve(task: asyncio.Task[Any]) -> None:
-    """Mark a background failure as seen (it is reported on the turn that uses it), so asyncio does not log it,
-    and keep the error alone: its traceback's frames hold the job (every message of the snapshot)."""
-    if not task.cancelled() and (error := task.exception()) is not None:
-        error.__traceback__ = error.__context__ = error.__cause__ = None

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Literal, Protocol
@@ -63,7 +62,6 @@ class ChatTurn(BaseModel):
     entry: ContextManagement = Field(description="The request's compaction entry.")
     session_id: str | None = Field(description="x-session-id; background compaction needs one.")
     prompt_tokens: int = Field(description="Tokens of the request's rendered prompt, counted by the ingress.")
-    tool_tokens: int = Field(0, description="Of prompt_tokens, those its tool list adds (every prompt has them).")
     tools: list[dict[str, Any]] | None = Field(
         None, description="Its tool list as the engine renders it (serving.wire.tools): compactions render it too."
     )
@@ -110,8 +108,8 @@ class PromptCounter:
     before anything else, so the tokens of the text up to the last special token of the previous
     turn are a fixed count: only what follows is tokenised again (an 8k-token history costs ~30 ms
     to tokenise whole on a CPU core, about what a whole SmolLM2 decode step costs). The tool list a
-    request sends (the template writes it into the prompt: thousands of tokens for a coding agent's
-    tools) is counted once per distinct list.
+    request sends (thousands of tokens for a coding agent's tools) is in the first turn, so it too is counted
+    once per session.
     """
 
     def __init__(
@@ -132,29 +130,13 @@ class PromptCounter:
         self._answered: BoundedLRU[str, tuple[int, tuple[int, ...]]] = BoundedLRU(max_sessions, share, size)
         # session -> (when its last reply finished, its last RECENT_TURNS gaps from a reply to the next turn)
         self._replied: BoundedLRU[str, tuple[float | None, tuple[float, ...]]] = BoundedLRU(max_sessions, share, size)
-        self._tools: BoundedLRU[str, int] = BoundedLRU(1024)  # digest of a tool list -> the tokens it adds
 
-    def tool_tokens(self, tools: Any) -> int:
-        """Tokens a request's tool list adds to its prompt (0 without one), in the form the engine renders it."""
-        listed = engine_tools(tools)
-        if listed is None:
-            return 0
-        key = _digest(json.dumps(listed, default=str))
-        known = self._tools.get(key)
-        if known is None:
-            bare = [{"role": "system", "content": ""}]
-            with_tools = self.tokenizer.chat_prompt_tokens(bare, listed)
-            known = max(0, with_tools - self.tokenizer.chat_prompt_tokens(bare, None))
-            self._tools.put(key, known)
-        return known
-
-    def count(self, messages: Sequence[Message], session: str | None, tools: Any = None) -> int:
-        """Tokens of the prompt of `messages` and the request's `tools`, rendered as the engine renders them
-        (`compaction.render.rendered_views`, the list as `serving.wire.tools` has it)."""
-        listed = engine_tools(tools)
-        views = rendered_views(messages, self.tokenizer, listed)
-        history = self.tokenizer.render(views, tools=listed)
-        full = self.tokenizer.render(views, add_generation_prompt=True, tools=listed)
+    def count(self, messages: Sequence[Message], session: str | None, tools: list[dict[str, Any]] | None = None) -> int:
+        """`compaction.turn_policy.prompt_tokens` of `messages` and `tools` (in the engine's form,
+        `serving.wire.tools`), reusing what this session's last turn counted."""
+        views = rendered_views(messages, self.tokenizer, tools)
+        history = self.tokenizer.render(views, tools=tools)
+        full = self.tokenizer.render(views, add_generation_prompt=True, tools=tools)
         if not full.startswith(history):
             return len(self.tokenizer.encode(full))
         cut = max((history.rfind(s) + len(s) for s in self.specials if s in history), default=0)
@@ -235,7 +217,7 @@ def fit(
     floor = token_floor(views, tokenizer)  # no seconds spent counting a prompt that cannot fit
     if floor >= window:
         raise PromptTooLong(floor, window)
-    tokens = tokenizer.chat_prompt_tokens(views, forward.get("tools"))
+    tokens = tokenizer.chat_prompt_tokens(views, engine_tools(forward.get("tools")))
     if tokens >= window:
         raise PromptTooLong(tokens, window)
     room = window - tokens
@@ -254,8 +236,9 @@ def edited(
 
     def count(messages: list[dict[str, Any]]) -> int:
         views = _views(messages)
-        return tokenizer.chat_prompt_tokens(views, body.get("tools")) if views is not None else 0
+        return tokenizer.chat_prompt_tokens(views, listed) if views is not None else 0
 
+    listed = engine_tools(body.get("tools"))
     turns, text = thinking
     dropped = (turns, len(tokenizer.encode(text)) if text else 0)
     messages, applied = apply_edits(list(body.get("messages") or []), edits, count, dropped)
@@ -298,14 +281,15 @@ def check_fits(messages: Sequence[Message], tokenizer: ChatTokenizer, limits: Pl
 
 def counted(
     raw: list[Any], tools: Any, counter: PromptCounter, session: str | None, limits: PlanLimits | None = None
-) -> tuple[list[Message], int, int]:
-    """The turn's messages, its tool list's tokens and its prompt's tokens (tools included). `limits`: the
-    model's caps, when the turn may be compacted: a history that cannot fit them is refused before counting."""
+) -> tuple[list[Message], list[dict[str, Any]] | None, int]:
+    """The turn's messages, its tool list in the engine's form and its prompt's tokens (tools included).
+    `limits`: the model's caps, when the turn may be compacted: a history that cannot fit them is refused before
+    counting."""
     messages = parse_messages(raw)
     if limits is not None:
         check_fits(messages, counter.tokenizer, limits)
-    tool_tokens = counter.tool_tokens(tools)
-    return messages, tool_tokens, counter.count(messages, session, tools)
+    listed = engine_tools(tools)
+    return messages, listed, counter.count(messages, session, listed)
 
 
 async def prepare_turn(
@@ -347,8 +331,7 @@ async def prepare_turn(
         entry=entry,
         session_id=session,
         prompt_tokens=tokens,
-        tool_tokens=tools,
-        tools=engine_tools(body.get("tools")),
+        tools=tools,
         growth=growth,
         idle_s=idle,
         room=window - reply,

@@ -183,14 +183,15 @@ class Compactor:
         client gone, a turn that escalates it) or failed in another chunk leaves its finished chunks reusable.
 
         The same prompt already being summarised (a rolling background run's, `serving.background`) is waited
-        for instead of sent again, when it goes out at this run's priority or a more urgent one; if that run
+        for instead of sent again by background work, and by the agent's when it goes out at the agent's
+        priority too (a background run a turn waits for is raised to it, `compaction.pacing.Escalation`); if that run
         fails or is cancelled (or, keeping no fallbacks, fell back), this one sends it."""
         if self.cache is None or not plan.options.reuse_chunks:
             return await self._summarise(backend, plan, k, route)
         prompt = plan.prompts[k]
         key = self.cache.key(plan.scope, plan.history.token_ids, prompt.chunk, prompt.view)
         other = self._in_flight.get(key)
-        if other is not None and urgency(other.backend) <= urgency(backend):
+        if other is not None and (urgency(backend) > AGENT or urgency(other.backend) <= urgency(backend)):
             await asyncio.wait({other.done})
             if not other.done.cancelled() and (other.keeps_fallbacks or other.done.result()[0].status not in FALLBACKS):
                 return _as_reused(other.done.result(), k)

@@ -3,7 +3,8 @@
 Pure rules (no vLLM import); `serving.scheduler` applies them inside vLLM's scheduler.
 
 Priorities follow vLLM's convention, lower runs first: `AGENT` for the agent's own turns and for
-blocking compactions (someone waits for them), `BACKGROUND` for background compactions.
+blocking compactions (someone waits for them), `NEXT` for the work the agent's next turn will wait for
+(a rolling session's last run before its threshold), `BACKGROUND` for other background compactions.
 
 vLLM's `priority` policy alone orders only the waiting queue: a request already running keeps its
 share of every step, and one step runs all its scheduled tokens in one forward pass, so an agent's
@@ -14,7 +15,10 @@ decode step waits behind a background prompt's prefill chunk (seconds on a CPU).
     next token beside the lead (`decode_beside`: a batched decode step costs about what a single one
     does, so this keeps background work moving at almost no cost to the agent);
   - a step led by background work gets at most `background_step_tokens` tokens, so an agent request
-    that arrives meanwhile waits one small step, not a whole `max_num_batched_tokens` of prefill.
+    that arrives meanwhile waits one small step, not a whole `max_num_batched_tokens` of prefill;
+  - `NEXT` work is never held in decode, and prefills beside the agent's running requests at most
+    `next_step_tokens` tokens a step (held only while an agent request waits to be admitted): it is
+    done beside the agent's own turn, at a bounded cost to it, instead of at the next turn.
 Background work held back this way is never starved past the point it is needed: the turn that needs
 its result re-sends what is left at the agent's priority (`serving.background`, `Escalation`).
 """
@@ -28,7 +32,8 @@ from typing import Any, Literal
 from compaction.backend import Backend, Generation, GenerationRequest
 
 AGENT = 0
-BACKGROUND = 1
+NEXT = 1
+BACKGROUND = 2
 Priority = Literal["agent", "background"]
 PRIORITIES: dict[Priority, int] = {"agent": AGENT, "background": BACKGROUND}
 CONFIG_KEY = "compaction_yield"  # the engine's additional_config entry that carries the rule
@@ -40,22 +45,30 @@ class YieldRule:
 
     background_step_tokens: int | None = None  # token budget of a step led by background work; None: the engine's
     decode_beside: bool = True  # background requests may decode beside the agent's
+    next_step_tokens: int = 64  # what NEXT requests may prefill in a step led by agent requests
 
-    def held(self, priority: int, lead: int, prefilling: bool) -> bool:
-        """True when a request sits this step out."""
-        return priority > lead and (prefilling or not self.decode_beside)
+    def held(self, priority: int, lead: int, prefilling: bool, lead_waiting: bool = False) -> bool:
+        """True when a request sits this step out (`lead_waiting`: a request of the lead priority waits to be
+        admitted)."""
+        if priority <= lead:
+            return False
+        if priority == NEXT:
+            return prefilling and lead_waiting
+        return prefilling or not self.decode_beside
 
-    def budget(self, lead: int, engine_budget: int) -> int:
-        """Token budget of a step whose most urgent request has priority `lead`."""
-        if lead <= AGENT or self.background_step_tokens is None:
+    def budget(self, lead: int, engine_budget: int, lead_tokens: int | None = None) -> int:
+        """Token budget of a step whose most urgent request has priority `lead`; `lead_tokens`: what the lead's
+        requests need this step when NEXT requests prefill beside them (None: none does)."""
+        if lead <= AGENT:
+            return engine_budget if lead_tokens is None else min(engine_budget, lead_tokens + self.next_step_tokens)
+        if self.background_step_tokens is None:
             return engine_budget
         return min(engine_budget, self.background_step_tokens)
 
     def config(self) -> dict[str, Any]:
         """The rule as the engine's `additional_config` entry."""
-        return {
-            CONFIG_KEY: {"background_step_tokens": self.background_step_tokens, "decode_beside": self.decode_beside}
-        }
+        entry = {"background_step_tokens": self.background_step_tokens, "decode_beside": self.decode_beside}
+        return {CONFIG_KEY: {**entry, "next_step_tokens": self.next_step_tokens}}
 
     @classmethod
     def from_config(cls, additional_config: Any) -> YieldRule:
@@ -63,16 +76,17 @@ class YieldRule:
         return cls(**entry) if isinstance(entry, dict) else cls()
 
 
-# The CPU engines' rule, measured with `python -m jobs.bench.yielding` (docs/yield.md): on one vLLM-CPU core a
+# The CPU engines' rule, measured with `python -m jobs.bench.yielding` (docs/placement.md): on one vLLM-CPU core a
 # 256-token step takes about a second, and a decode step of 8 sequences costs 1.6x one of a single sequence,
-# so background requests neither prefill nor decode beside the agent's there.
+# so background requests neither prefill nor decode beside the agent's there (NEXT work, a chunk or two, does).
 CPU_RULE = YieldRule(background_step_tokens=256, decode_beside=False)
 
 
 class Escalation:
     """A backend that sends a compaction's prompts at `priority` until `urgent` is set; from then on at the
     agent's, re-sending what is still in flight (vLLM cannot change a running request's priority; what
-    the first send prefilled stays in the prefix cache, so the re-send reads it from there)."""
+    the first send prefilled stays in the prefix cache, so the re-send reads it from there). NEXT prompts in
+    flight are not re-sent: they are never held in decode, and a re-send would lose what they decoded."""
 
     def __init__(self, inner: Backend, priority: int, urgent: asyncio.Event | None = None) -> None:
         self.inner = inner
@@ -87,6 +101,8 @@ class Escalation:
     async def generate(self, request: GenerationRequest) -> Generation:
         if self.priority <= AGENT or self.urgent.is_set():
             return await self.inner.generate(replace(request, priority=AGENT))
+        if self.priority == NEXT:
+            return await self.inner.generate(replace(request, priority=NEXT))
         call = asyncio.ensure_future(self.inner.generate(replace(request, priority=self.priority)))
         urgent = asyncio.ensure_future(self.urgent.wait())
         try:

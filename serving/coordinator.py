@@ -40,7 +40,7 @@ from compaction.errors import (
 )
 from compaction.history import Message, chat_view
 from compaction.options import CompactionOptions
-from compaction.pacing import BACKGROUND, PRIORITIES, Escalation, Priority
+from compaction.pacing import BACKGROUND, NEXT, PRIORITIES, Escalation, Priority
 from compaction.plan import CompactionPlan
 from compaction.result import CompactionResult, CompactionStats
 from serving.admission import Gate, Limits, SharedRuns
@@ -276,7 +276,9 @@ class Coordinator:
         async with gate.admitted(len(todo), job.tenant, background=job.priority == "background", urgent=urgent):
             shape = self._placement_input(plan, job, replicas, compactor)
             placement = await asyncio.to_thread(place, shape, job.placement, runtime.cost)
-            backend = Escalation(Salted(compactor.backend, job.cache_salt), PRIORITIES[job.priority], urgent)
+            # The last run before the threshold is what the agent's next turn waits for: it goes beside its turns.
+            priority = NEXT if job.roll_last and job.priority == "background" else PRIORITIES[job.priority]
+            backend = Escalation(Salted(compactor.backend, job.cache_salt), priority, urgent)
             # A chunk whose summary fell back is not kept: the compaction at the threshold asks the model again.
             routes = placement.routes()
             await compactor.summarise(plan, todo, routes, backend, sent=sent, keep_fallbacks=False, ahead=job.roll_last)

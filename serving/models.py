@@ -153,6 +153,14 @@ class ModelSpec(BaseModel):
         description="Background requests decode beside the agent's (a batched decode step costs about what a "
         "single one does on a GPU); false holds them back too (measured better on the CPU).",
     )
+    next_step_tokens: int = Field(
+        64,
+        ge=1,
+        le=1_048_576,
+        description="Tokens of an agent-led engine step that the work the agent's next turn waits for (a rolling "
+        "session's last run before its threshold) may prefill beside it; it also decodes beside it "
+        "(compaction.pacing.NEXT).",
+    )
     max_chunks: int | None = Field(
         None,
         ge=1,
@@ -311,7 +319,7 @@ class ModelSpec(BaseModel):
 
     def yield_rule(self) -> YieldRule:
         """How background compaction yields to the agent on this model's engines (compaction.pacing)."""
-        return YieldRule(self.background_step_tokens, self.background_decode_beside)
+        return YieldRule(self.background_step_tokens, self.background_decode_beside, self.next_step_tokens)
 
     def server_kwargs(self) -> dict[str, Any]:
         """Constructor arguments of this model's server class beyond the LLMConfig (serving.placement)."""

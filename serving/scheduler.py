@@ -10,11 +10,13 @@ Engine arguments (`serving.models.ModelSpec.engine_args` sets them on every cata
 Each step, requests the rule holds back are taken out of vLLM's running list and waiting queue while
 vLLM schedules the rest, and put back afterwards: held requests keep their KV blocks and are simply
 not scheduled that step, as when vLLM's own token budget runs out. The step budget of a step led by
-background work is capped the same way. The class runs in the engine-core process.
+background work is capped the same way, and so is that of a step in which NEXT requests prefill beside
+the agent's: the agent's requests go first in the running list, so the cap takes from the NEXT ones only.
+The class runs in the engine-core process.
 
 No wedge: vLLM preempts a running request only to grow another running one, never to admit a waiting
 one, and held requests do not run until the agent's are done. So when the first waiting request of the
-lead priority cannot get its KV blocks, held requests are preempted (the lowest priority, then the
+lead priority cannot get its KV blocks, less urgent running requests are preempted (the lowest priority, then the
 youngest, first) until it can: their blocks go back to the pool (what is cached stays in the prefix
 cache until it is evicted) and they wait to resume.
 """
@@ -34,7 +36,7 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request
 
-from compaction.pacing import YieldRule
+from compaction.pacing import AGENT, NEXT, YieldRule
 
 
 def prefilling(request: Request) -> bool:
@@ -58,20 +60,35 @@ class Yielding(Scheduler):
         lead = min(priorities)
         rule = self.yield_rule
         self._make_room(lead)
-        held = [r for r in self.running if rule.held(r.priority, lead, prefilling(r))]
-        waiting = [r for r in self.waiting if r.priority > lead]
-        budget = rule.budget(lead, self._engine_budget)
+        lead_waiting = any(r.priority == lead for r in self.waiting)
+        held = [r for r in self.running if rule.held(r.priority, lead, prefilling(r), lead_waiting)]
+        waiting = [r for r in self.waiting if rule.held(r.priority, lead, True, lead_waiting)]
         if held:
-            self.running = [r for r in self.running if not rule.held(r.priority, lead, prefilling(r))]
+            sitting = {id(r) for r in held}
+            self.running = [r for r in self.running if id(r) not in sitting]
         if waiting:
             self.waiting.remove_requests(waiting)
-        self.max_num_scheduled_tokens = budget
+        self.max_num_scheduled_tokens = rule.budget(lead, self._engine_budget, self._beside(lead))
         try:
             return super().schedule(*args, **kwargs)
         finally:
             self.max_num_scheduled_tokens = self._engine_budget
             self.running.extend(held)
             self.waiting.prepend_requests(waiting)
+
+    def _beside(self, lead: int) -> int | None:
+        """When NEXT requests prefill beside the lead's this step: the tokens the lead's requests need (they go
+        first), so the step's budget leaves the NEXT ones `next_step_tokens` at most. None otherwise."""
+        if lead != AGENT:
+            return None
+        beside = any(r.priority == NEXT and prefilling(r) for r in self.running) or any(
+            r.priority == NEXT for r in self.waiting
+        )
+        if not beside:
+            return None
+        self.running.sort(key=lambda r: r.priority)  # vLLM schedules its running list in order
+        leads = [r for r in self.running if r.priority == lead]
+        return sum(max(1, r.num_tokens_with_spec + r.num_output_placeholders - r.num_computed_tokens) for r in leads)
 
     def _make_room(self, lead: int) -> None:
         """Preempt held requests until the first waiting request of priority `lead` fits in the free blocks
@@ -81,8 +98,7 @@ class Yielding(Scheduler):
         need = cdiv(first.num_tokens + 1, self.block_size) if first is not None else 0
         if need == 0 or need > pool.num_gpu_blocks:
             return
-        rule = self.yield_rule
-        victims = [r for r in self.running if rule.held(r.priority, lead, prefilling(r))]
+        victims = [r for r in self.running if r.priority > lead]
         for victim in sorted(victims, key=lambda r: (r.priority, r.arrival_time), reverse=True):
             if pool.get_num_free_blocks() >= need or not self._request_blocks_can_be_freed(victim):
                 return

@@ -8,7 +8,7 @@ import pytest
 
 from compaction.backend import Generation, GenerationRequest
 from compaction.errors import BackendError
-from compaction.pacing import AGENT, BACKGROUND, CONFIG_KEY, CPU_RULE, Escalation, YieldRule
+from compaction.pacing import AGENT, BACKGROUND, CONFIG_KEY, CPU_RULE, NEXT, Escalation, YieldRule
 
 
 def test_only_the_most_urgent_requests_prefill_and_background_steps_are_small() -> None:
@@ -22,9 +22,21 @@ def test_only_the_most_urgent_requests_prefill_and_background_steps_are_small() 
     assert YieldRule().budget(BACKGROUND, 2048) == 2048 and rule.budget(BACKGROUND, 128) == 128
 
 
+def test_the_next_turns_work_goes_beside_the_agents_turn_within_a_small_budget() -> None:
+    rule = CPU_RULE  # background held in decode too
+    assert rule.held(BACKGROUND, AGENT, prefilling=False) and rule.held(BACKGROUND, NEXT, prefilling=False)
+    assert not rule.held(NEXT, AGENT, prefilling=False)  # decodes beside the agent
+    assert not rule.held(NEXT, AGENT, prefilling=True)  # prefills beside the agent's running requests...
+    assert rule.held(NEXT, AGENT, prefilling=True, lead_waiting=True)  # ...never before an agent request is admitted
+    assert rule.budget(AGENT, 2048, lead_tokens=3) == 3 + rule.next_step_tokens  # at most that beside them
+    assert rule.budget(AGENT, 2048, lead_tokens=4000) == 2048  # an agent prefill takes the whole step
+    assert rule.budget(NEXT, 2048) == 256  # alone, it runs in background steps
+
+
 def test_the_rule_travels_in_the_engines_additional_config() -> None:
     assert YieldRule.from_config(CPU_RULE.config()) == CPU_RULE
     assert YieldRule.from_config({}) == YieldRule() == YieldRule.from_config(None)
+    assert YieldRule.from_config({CONFIG_KEY: {"next_step_tokens": 32}}).next_step_tokens == 32
     assert set(CPU_RULE.config()) == {CONFIG_KEY}
 
 
@@ -59,6 +71,20 @@ async def test_a_background_call_is_resent_at_the_agents_priority_when_a_turn_ne
     assert [g.text for g in await asyncio.gather(*calls)] == ["ok"] * 3
     assert inner.done == [AGENT] * 3 and backend.escalated == 3
     assert (await backend.generate(GenerationRequest((1,), 1))).text == "ok" and inner.sent[-1] == AGENT
+
+
+async def test_next_calls_in_flight_are_not_resent_when_a_turn_needs_them() -> None:
+    inner, urgent = Parked(), asyncio.Event()
+    backend = Escalation(inner, NEXT, urgent)
+    call = asyncio.create_task(backend.generate(GenerationRequest((1, 2, 3), 4)))
+    await asyncio.sleep(0.01)
+    urgent.set()
+    await asyncio.sleep(0.01)
+    assert inner.sent == [NEXT]  # never held in decode: what it decoded is kept
+    later = asyncio.create_task(backend.generate(GenerationRequest((4,), 4)))
+    inner.release.set()
+    await asyncio.gather(call, later)
+    assert inner.sent == [NEXT, AGENT] and len(inner.done) == 2 and backend.escalated == 0  # a later call: agent
 
 
 async def test_agent_priority_calls_go_straight_through_and_failures_propagate() -> None:

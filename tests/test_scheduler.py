@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from compaction.backend import GenerationRequest
-from compaction.pacing import AGENT, BACKGROUND
+from compaction.pacing import AGENT, BACKGROUND, NEXT
 
 pytestmark = pytest.mark.engine
 
@@ -41,3 +41,19 @@ async def test_an_agent_request_overtakes_a_background_prefill_and_the_backgroun
     assert agent_done < background_done  # the agent's turn did not wait for the 2,400-token prefill
     assert agent_done - began < 0.6 * (background_done - began)
     assert behind.prompt_tokens == 2400 and behind.cached_prompt_tokens == 0
+
+
+async def test_the_next_turns_work_is_done_beside_an_agents_decode_and_background_work_after_it(engine: Any) -> None:
+    """Counted in engine steps, not seconds: the agent decodes 96 tokens; a NEXT request (200 prompt tokens at most
+    64 a step beside it, then 8 tokens) needs about a dozen of those steps, a background one none until it is done."""
+    await engine.reset_prefix_cache()
+    agent = GenerationRequest(prompt(3, 64), max_tokens=96, min_tokens=96, request_id="agent", priority=AGENT)
+    first = asyncio.create_task(timed(engine, agent))  # sent first: tasks start in the order they were made
+    beside = [
+        GenerationRequest(prompt(4 + k, 200), max_tokens=8, min_tokens=8, request_id=f"{name}", priority=priority)
+        for k, (name, priority) in enumerate((("next", NEXT), ("background", BACKGROUND)))
+    ]
+    (next_done, nxt), (background_done, bg) = await asyncio.gather(*(timed(engine, r) for r in beside))
+    agent_done, generation = await first
+    assert generation.output_tokens == 96 and nxt.output_tokens == 8 and bg.output_tokens == 8
+    assert next_done < agent_done < background_done

@@ -72,6 +72,7 @@ from serving.wire.responses import CompactResponsesRequest, ResponsesRequest
 from serving.wire.sse import chat_chunks
 
 logger = logging.getLogger(__name__)
+REPLY_WAIT_S = 2.0  # the most a turn waits for its session's previous reply to reach the coordinator
 REPLICA_BACKOFF_S = (0.5, 1.0, 2.0)  # a chat turn whose model replica died is sent again after these pauses
 DEADLINE_GRACE_S = 5.0
 
@@ -108,6 +109,7 @@ class CompactionIngress(OpenAiIngress):
         self._tokenizers: dict[str, HFChatTokenizer] = {}
         self._counters: dict[tuple[str, str], PromptCounter] = {}  # (tenant, model) -> its sessions' counts
         self._suspects = Suspects()  # jobs coordinators died running (serving.coordinator_calls)
+        self._replies: dict[str, asyncio.Task[Any]] = {}  # session -> its reply on its way to the coordinator
 
     async def compact(self, body: CompactRequest, request: Request) -> ServiceResult:
         """Compact a history; the stats show where each chunk ran, what the cache served and the queue wait."""
@@ -145,7 +147,7 @@ class CompactionIngress(OpenAiIngress):
         refuse_service_fields(raw)
         call = self._served(ChatCall(raw, _header_session(request)))
         forward, outcome = await self._prepare(call, "chat", request)
-        response = await self._answer(forward, call, request)
+        response = await self._answer(forward, call, request, outcome)
         return with_compaction(response, outcome) if outcome is not None else response
 
     async def responses(self, body: ResponsesRequest, request: Request) -> Response:
@@ -157,7 +159,7 @@ class CompactionIngress(OpenAiIngress):
             if body.stream:
                 return _events(responses_answer.stream_triggered(call, outcome, sent))
             return JSONResponse(responses_answer.triggered(call, outcome, sent))
-        response = await self._answer(forward, call, request)
+        response = await self._answer(forward, call, request, outcome)
         if isinstance(response, StreamingResponse):
             return _events(responses_answer.stream(chat_chunks(response.body_iterator), call, outcome, sent))
         return JSONResponse(responses_answer.response(_json(response), call, outcome, sent))
@@ -194,7 +196,7 @@ class CompactionIngress(OpenAiIngress):
             if body.stream:
                 return _events(messages_answer.stream(None, call, outcome, sent))
             return JSONResponse(messages_answer.paused(call, outcome, sent))
-        response = await self._answer(forward, call, request)
+        response = await self._answer(forward, call, request, outcome)
         if isinstance(response, StreamingResponse):
             return _events(messages_answer.stream(chat_chunks(response.body_iterator), call, outcome, sent))
         return JSONResponse(messages_answer.message(_json(response), call, outcome, sent))
@@ -237,6 +239,7 @@ class CompactionIngress(OpenAiIngress):
         window = self._window(model)
         tenant = tenant_of(request)
         counter = self._counter(model, tenant)
+        await self._handed(call.session)
         with call.naming_fields():
             return await prepare_turn(
                 call.body,
@@ -250,9 +253,11 @@ class CompactionIngress(OpenAiIngress):
                 limits=self._limits.get(model),
             )
 
-    async def _answer(self, forward: dict[str, Any], call: ChatCall, request: Request) -> Response:
+    async def _answer(
+        self, forward: dict[str, Any], call: ChatCall, request: Request, outcome: TurnCompaction | None
+    ) -> Response:
         """ray.serve.llm's chat completion of `forward` within the model window (serving.turns.fit), on the
-        session's replica."""
+        session's replica; the reply goes to the session's coordinator when the turn's run awaits it."""
         model = str(forward.get("model"))
         budget = self._reply_budgets.get(model)
         forward = await asyncio.to_thread(fit, forward, self._tokenizer(model), self._window(model), budget)
@@ -265,7 +270,32 @@ class CompactionIngress(OpenAiIngress):
             raise InvalidInput(field_path(("body", *first["loc"])), f"{first['msg']} (in the chat request)") from exc
         response = await self._chat_on_a_live_replica(chat, _for_replica(request, call.session))
         counter = self._counter(str(forward.get("model")), tenant)
-        return when_sent(response, lambda: counter.replied(call.session))  # the agent is in its tools from then
+        awaits = outcome.reply_for if outcome is not None and call.session else None
+
+        def sent(reply: dict[str, Any] | None) -> None:
+            counter.replied(call.session)  # the agent is in its tools from then
+            if awaits is not None and reply is not None:
+                self._reply_to(model, tenant.id, call.session or "", awaits, reply)
+
+        return when_sent(response, sent)
+
+    def _reply_to(self, model: str, tenant: str, session: str, messages: int, reply: dict[str, Any]) -> None:
+        """Hand a turn's reply to its session's coordinator, in the background (a head start on the next turn's
+        compaction, never an error of this turn's)."""
+        args = (model, tenant, session, messages, reply)
+        task = asyncio.ensure_future(call_coordinator(self._coordinator, "chat_reply", *args, session_id=session))
+        self._replies[session] = task
+        task.add_done_callback(_handed_on)
+        task.add_done_callback(
+            lambda _: self._replies.pop(session, None) if self._replies.get(session) is task else None
+        )
+
+    async def _handed(self, session: str | None) -> None:
+        """The session's last reply is with its coordinator (a few milliseconds), so its next turn finds it there;
+        never longer than REPLY_WAIT_S."""
+        pending = self._replies.get(session) if session else None
+        if pending is not None:
+            await asyncio.wait({pending}, timeout=REPLY_WAIT_S)
 
     async def _chat_on_a_live_replica(self, chat: ChatRequest, request: Request) -> Response:
         """ray.serve.llm's chat, sent again when the replica died before its first token (a turn has no side
@@ -332,6 +362,11 @@ def _for_replica(request: Request, session: str | None = None) -> Request:
     headers = [(k, v) for k, v in request.scope["headers"] if k.lower() not in dropped]
     session_header = [(SESSION_HEADER.encode(), session.encode())] if session else []
     return Request({**request.scope, "headers": [*headers, *session_header]}, request.receive)
+
+
+def _handed_on(task: asyncio.Task[Any]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        logger.debug("a reply was not handed to its coordinator: %r", task.exception())
 
 
 async def refuse_websocket(websocket: WebSocket) -> None:

@@ -12,6 +12,7 @@ places, dispatches) -> one ray.serve.llm `LLMServer` deployment per model, route
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import time
 from typing import Any, cast
@@ -28,6 +29,7 @@ from compaction.chunk_cache import DEFAULT_MAX_BYTES as CHUNK_CACHE_BYTES
 from compaction.chunk_cache import ChunkCache
 from compaction.compactor import Compactor
 from compaction.errors import CompactionError, InvalidInput
+from compaction.history import Message
 from compaction.tokenizer import HFChatTokenizer
 from compaction.turn_policy import parse_context_management
 from serving.api import make_ingress
@@ -259,6 +261,12 @@ class CoordinatorDeployment:
         if outcome.status == "applied":
             record_stall(turn.model, outcome.stall_s)
         return outcome
+
+    async def chat_reply(self, model: str, tenant: str, session: str, messages: int, reply: dict[str, Any]) -> None:
+        """A turn's reply, sent: the session's last run before its threshold summarises it too
+        (serving.background)."""
+        with contextlib.suppress(CompactionError, ValidationError):  # a head start only
+            self._sessions.replied(model, tenant, session, messages, Message.model_validate(reply))
 
     async def replicas(self) -> dict[str, int]:
         """Running replicas of every hosted model."""

@@ -49,7 +49,7 @@ from compaction.turn_policy import (
     wants_background,
 )
 from serving.coordinator import CompactJob, ServiceResult
-from serving.runs import Running, lean, lean_message, measure, retrieve, usable_by
+from serving.runs import Running, lean, lean_message, measure, reply_digest, retrieve, usable_by
 from serving.turns import WIRE_FIELD, ChatTurn, Status, TurnCompaction, Wire
 
 DEFAULT_MAX_BYTES = 512 * 2**20  # per coordinator replica: background jobs and results kept for their sessions
@@ -121,21 +121,21 @@ class SessionCompactions:
             if not self._room_for(turn):
                 full = f"no background compaction: this tenant has {self._cap(turn.tenant)} running already"
                 return TurnCompaction(status="none", prompt_tokens=turn.prompt_tokens, note=full)
-            self._start(turn, turn.messages, digests, turn.prompt_tokens)
-            return TurnCompaction(status="running", prompt_tokens=turn.prompt_tokens)
+            started = self._start(turn, turn.messages, digests, turn.prompt_tokens)
+            reply_for = len(turn.messages) if started.job is not None else None
+            return TurnCompaction(status="running", prompt_tokens=turn.prompt_tokens, reply_for=reply_for)
         if action in ("none", "start_background"):
             status: Status = "running" if state in ("running", "done") else "none"
             return TurnCompaction(status=status, prompt_tokens=turn.prompt_tokens)
         note = None
         result: ServiceResult | int | None = None
-        prefer = running.snapshot.length if running and running.last and state in ("running", "done") else None
-        if running is not None and running.rolling and state == "running":
+        prefer = None
+        follows = running is not None and running.followed_by(turn.messages)
+        if running is not None and running.last and not follows and state in ("running", "done"):
+            prefer = running.snapshot.length  # the reply after its history stays verbatim if it can
+        if running is not None and running.rolling and state != "absent" and (state == "running" or follows):
             running.hurry()  # its prompts go on at the agent's priority; the compaction below joins them
-            sent = asyncio.ensure_future(running.sent.wait())
-            try:
-                await asyncio.wait({sent, running.compaction}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                sent.cancel()
+            await running.in_flight()
             self._sessions(turn).pop(turn.session_id or "")
         elif running is not None and state != "absent":  # apply or wait for it; if it failed, say why
             result, note = await self._finish(running)
@@ -151,7 +151,7 @@ class SessionCompactions:
     def _room_for(self, turn: ChatTurn) -> bool:
         """Whether the turn's tenant may start one more background run (its own session's counts as replaced)."""
         runs = self._sessions(turn)
-        others = [r for key, r in runs.items() if key != turn.session_id and not r.warmed.done()]
+        others = [r for key, r in runs.items() if key != turn.session_id and r.busy()]
         return len(others) < self._cap(turn.tenant)
 
     def _cap(self, tenant: str) -> int:
@@ -176,13 +176,31 @@ class SessionCompactions:
 
     def running(self) -> int:
         """How many background runs are still compacting or prefilling."""
-        return sum(not r.warmed.done() for runs in self._runs.values() for r in runs.values())
+        return sum(r.busy() for runs in self._runs.values() for r in runs.values())
 
     def bytes(self) -> int:
         """What the kept background runs hold, about (see `Running.bytes`)."""
         return sum(r.held() for runs in self._runs.values() for r in runs.values())
 
-    def _start(self, turn: ChatTurn, messages: Sequence[Message], digests: Sequence[str], tokens: int) -> None:
+    def replied(self, model: str, tenant: str, session: str, messages: int, reply: Message) -> None:
+        """The reply to the turn that started the session's last rolling run before its threshold (a history of
+        `messages` messages) was sent: a follow-up run summarises that history with the reply, so the compaction at
+        the threshold finds blocking's own last chunk (the reply in it) summarised or in flight."""
+        running = self._runs[tenant].peek(session) if tenant in self._runs else None
+        if self._roll is None or running is None or running.job is None or running.follow is not None:
+            return
+        job = running.job
+        if job.model != model or len(job.messages) != messages or running.warmed.cancelled():
+            return
+        follow = job.model_copy(update={"messages": [*job.messages, lean_message(reply)]})
+        running.follow_digest = reply_digest(reply)
+        roll, urgent, sent = self._roll, running.urgent, running.follow_sent
+        running.follow = asyncio.create_task(lean(lambda: roll(follow, urgent, sent)), name=f"reply-{session}")
+        running.follow.add_done_callback(retrieve)
+        running.follow_bytes = len(follow.model_dump_json())
+        self._shed()
+
+    def _start(self, turn: ChatTurn, messages: Sequence[Message], digests: Sequence[str], tokens: int) -> Running:
         session = turn.session_id or ""
         urgent, sent = asyncio.Event(), asyncio.Event()
         roll = self._roll if turn.entry.apply_background == "rolling" else None
@@ -203,13 +221,19 @@ class SessionCompactions:
                 stale.cancel()
         snapshot, size = Snapshot.of(digests), len(job.model_dump_json())
         running = Running(
-            snapshot, usable_by(turn), compaction, warmed, urgent, size, tokens, roll is not None, sent, last, beside
-        )
+            snapshot, usable_by(turn), compaction, warmed, urgent, size, tokens, roll is not None, sent, last, beside,
+            job if last else None,
+        )  # fmt: skip
         if beside is not None:  # once it ends, only the chunk cache keeps what it made
             beside.warmed.add_done_callback(lambda _: setattr(running, "beside", None))
         compaction.add_done_callback(lambda task: measure(running, task))
         sessions.put(session, running)
-        while self.bytes() > self.max_bytes and len(self) > 1:  # the heaviest tenant's oldest run goes first
+        self._shed()
+        return running
+
+    def _shed(self) -> None:
+        """Runs dropped until what they hold is within max_bytes: the heaviest tenant's oldest first."""
+        while self.bytes() > self.max_bytes and len(self) > 1:
             heaviest = max(self._runs.values(), key=lambda runs: sum(r.held() for r in runs.values()))
             heaviest.pop_oldest()
 
@@ -263,8 +287,10 @@ class SessionCompactions:
             head, through = _compose(result, len(head), through, prompt)
             prompt = spliced(head, through, turn.messages)
             tokens = prompt_tokens(prompt, tokenizer, turn.tools)
+        reply_for = None
         if turn.session_id and wants_background(tokens, turn.growth, turn.entry, turn.idle_s) and self._room_for(turn):
-            self._start(turn, prompt, message_digests(prompt), tokens)  # the compacted prompt is the next snapshot
+            started = self._start(turn, prompt, message_digests(prompt), tokens)  # the compacted prompt: next snapshot
+            reply_for = len(prompt) if started.job is not None else None
         return TurnCompaction(
             status="applied",
             messages=head,
@@ -275,6 +301,7 @@ class SessionCompactions:
             source=source,
             note=note,
             stats=result.stats,
+            reply_for=reply_for,
         )
 
     @staticmethod

@@ -12,8 +12,8 @@ from pydantic import BaseModel
 
 from compaction.errors import BackendError, CompactionError
 from compaction.history import Message
-from compaction.turn_policy import Background, Snapshot
-from serving.coordinator import ServiceResult
+from compaction.turn_policy import Background, Snapshot, message_digests
+from serving.coordinator import CompactJob, ServiceResult
 from serving.errors import Failure
 from serving.turns import ChatTurn
 
@@ -35,6 +35,11 @@ class Running:
     sent: asyncio.Event = field(default_factory=asyncio.Event)  # rolling: its chunk prompts are in flight
     last: bool = False  # rolling: the last turn's run, which summarised its whole snapshot (`serving.background`)
     beside: Running | None = None  # last: a run still in flight when it started, which goes on (its chunks joined)
+    job: CompactJob | None = None  # last: its job, which the turn's reply extends once it is sent (`follow`)
+    follow: asyncio.Task[ServiceResult | int] | None = None  # last: the run of its history and the turn's reply
+    follow_sent: asyncio.Event = field(default_factory=asyncio.Event)  # its chunk prompts are in flight
+    follow_bytes: int = 0  # what the follow-up's job holds while it runs
+    follow_digest: str | None = None  # the reply it took (`compaction.turn_policy.message_digests`, lean)
 
     def state(self, digests: Sequence[str], turn: ChatTurn) -> Background:
         if self.made_for != usable_by(turn) or not self.snapshot.covers(digests):
@@ -43,11 +48,35 @@ class Running:
             return "running"
         return "failed" if self.warmed.cancelled() or self.warmed.exception() is not None else "done"
 
+    def followed_by(self, messages: Sequence[Message]) -> bool:
+        """The history goes on with the reply its follow-up took (as the template reads it): that run's chunks are
+        the ones a compaction of this history cuts."""
+        length, digest = self.snapshot.length, self.follow_digest
+        return digest is not None and len(messages) > length and reply_digest(messages[length]) == digest
+
+    def busy(self) -> bool:
+        """Still compacting or prefilling (its follow-up included)."""
+        return not self.warmed.done() or (self.follow is not None and not self.follow.done())
+
     def cancel(self) -> None:
         self.compaction.cancel()
         self.warmed.cancel()
+        if self.follow is not None:
+            self.follow.cancel()
         if self.beside is not None:
             self.beside.cancel()
+
+    async def in_flight(self) -> None:
+        """Until its chunk prompts (and its follow-up's) are in flight, or it has ended: a compaction started
+        after that joins them instead of sending them again."""
+        for sent, task in ((self.sent, self.compaction), (self.follow_sent, self.follow)):
+            if task is None:
+                continue
+            waiting = asyncio.ensure_future(sent.wait())
+            try:
+                await asyncio.wait({waiting, task}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                waiting.cancel()
 
     def hurry(self) -> None:
         """A turn waits for it: its prompts, and those of the run beside it, go on at the agent's priority."""
@@ -56,14 +85,20 @@ class Running:
             self.beside.urgent.set()
 
     def held(self) -> int:
-        """Bytes it holds, with the run beside it while that one runs."""
-        beside = self.beside
-        return self.bytes + (beside.bytes if beside is not None and not beside.warmed.done() else 0)
+        """Bytes it holds, with its follow-up and the run beside it while those run."""
+        beside, follow = self.beside, self.follow
+        extra = self.follow_bytes if follow is not None and not follow.done() else 0
+        return self.bytes + extra + (beside.bytes if beside is not None and not beside.warmed.done() else 0)
 
 
 def usable_by(turn: ChatTurn) -> tuple[str, str, str, str | None]:
     """What a run made for this turn may be used by: turns of the same model, options, tenant and salt."""
     return turn.model, turn.entry.options().model_dump_json(), turn.tenant, turn.cache_salt
+
+
+def reply_digest(message: Message) -> str:
+    """A message's digest as the template reads it: its declared fields alone."""
+    return message_digests([lean_message(message)])[0]
 
 
 def lean_message(message: Message) -> Message:

@@ -99,6 +99,12 @@ class TurnCompaction(BaseModel):
     source: Literal["background", "blocking"] | None = Field(None, description="applied: which compaction.")
     note: str | None = Field(None, description="Why a compaction was not applied or fell back, when it matters.")
     stats: ServiceStats | None = Field(None, description="applied: the compaction's stats (the last one if two).")
+    reply_for: int | None = Field(
+        None,
+        exclude=True,
+        description="The service's own, not part of the response: this turn started a rolling session's last run "
+        "before the threshold, of this many messages, which takes the reply too once it is sent (serving.background).",
+    )
 
 
 class PromptCounter:

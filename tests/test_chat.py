@@ -116,21 +116,28 @@ def test_the_json_answer_carries_compaction_without_null_fields() -> None:
     assert with_compaction(error, outcome()) is error
 
 
-async def test_a_reply_counts_as_sent_after_its_last_event() -> None:
-    sent: list[str] = []
-    midway: list[list[str]] = []
+async def test_a_reply_counts_as_sent_after_its_last_event_with_the_message_it_answered() -> None:
+    sent: list[dict[str, Any] | None] = []
+    midway: list[list[dict[str, Any] | None]] = []
 
     async def events() -> AsyncIterator[str]:
-        yield "data: one\n\n"
+        yield 'data: {"choices": [{"delta": {"role": "assistant", "content": "Hel"}}]}\n\ndata: {"choi'
         midway.append(list(sent))  # what was recorded while the stream still runs
+        yield 'ces": [{"delta": {"content": "lo"}}]}\n\ndata: not json\n\n'
+        call = {"index": 0, "id": "c1", "function": {"name": "ls"}}
+        yield f"data: {json.dumps({'choices': [{'delta': {'tool_calls': [call]}}]})}\n\n"
+        yield 'data: {"choices": [{"delta": {"tool_calls": [{"index": 0, "function": {"arguments": "{}"}}]}}]}\n\n'
         yield "data: [DONE]\n\n"
 
-    stream = when_sent(StreamingResponse(events(), media_type="text/event-stream"), lambda: sent.append("sent"))
+    stream = when_sent(StreamingResponse(events(), media_type="text/event-stream"), sent.append)
     assert isinstance(stream, StreamingResponse) and sent == []
-    assert [str(e) async for e in stream.body_iterator] == ["data: one\n\n", "data: [DONE]\n\n"]
-    assert midway == [[]] and sent == ["sent"]
-    reply = JSONResponse({"id": "x"})
-    assert when_sent(reply, lambda: sent.append("json")) is reply and sent[-1] == "json"
+    assert len([str(e) async for e in stream.body_iterator]) == 5  # every packet passed on as it came
+    call = {"id": "c1", "type": "function", "function": {"name": "ls", "arguments": "{}"}}
+    assert midway == [[]] and sent == [{"role": "assistant", "content": "Hello", "tool_calls": [call]}]
+    reply = JSONResponse({"id": "x", "choices": [{"message": {"role": "assistant", "content": "Hi"}}]})
+    assert when_sent(reply, sent.append) is reply and sent[-1] == {"role": "assistant", "content": "Hi"}
+    error = JSONResponse({"error": {"message": "no"}}, status_code=400)
+    assert when_sent(error, sent.append) is error and sent[-1] is None
 
 
 async def test_the_stream_carries_compaction_on_its_last_chunk() -> None:

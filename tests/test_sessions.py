@@ -11,7 +11,7 @@ from compaction.backend import GenerationRequest
 from compaction.chunk_cache import ChunkCache
 from compaction.compactor import Compactor
 from compaction.errors import BackendError, InvalidInput
-from compaction.history import chat_view, parse_messages
+from compaction.history import Message, chat_view, parse_messages
 from compaction.pacing import BACKGROUND
 from compaction.plan import is_summary
 from compaction.tokenizer import HFChatTokenizer
@@ -496,15 +496,22 @@ def turns_around_the_threshold(
 
 
 async def rolled_to_the_threshold(
-    tokenizer: HFChatTokenizer, reply: str, then: str
+    tokenizer: HFChatTokenizer, reply: str, then: str, handed_on: str | None = None
 ) -> tuple[TurnCompaction, TurnCompaction, int, int]:
-    """A rolling session's last turn before the threshold (its run done), then the turn past it: (its outcome, a
-    blocking turn's of the same messages, prompts it sent, how many messages the last turn had)."""
+    """A rolling session's last turn before the threshold (its run done; with `handed_on`, the reply the service
+    sent, handed to the session as the ingress does, and that run done too), then the turn past it with `reply`:
+    (its outcome, a blocking turn's of the same messages, prompts it sent, how many messages the last turn had)."""
     replicas = FakeReplicas()
     _, sessions, history = await rolled(tokenizer, replicas)
     before, after, growth = turns_around_the_threshold(tokenizer, history, f"A: {notes(30)}", reply, then)
     ahead = turn(tokenizer, before, **ROLLING).model_copy(update={"growth": growth})
-    assert (await sessions.turn(ahead, tokenizer)).status == "running"
+    started = await sessions.turn(ahead, tokenizer)
+    assert started.status == "running" and started.reply_for == len(before)
+    assert "reply_for" not in started.model_dump()  # the service's own, never in a response
+    if handed_on is not None:
+        answer = Message(role="assistant", content=handed_on)
+        sessions.replied(MODEL, ahead.tenant, ahead.session_id or "", len(before) - 1, answer)  # not this run's
+        sessions.replied(MODEL, ahead.tenant, ahead.session_id or "", len(before), answer)
     await until(lambda: not sessions.running())
     sent = sent_so_far(replicas)
     outcome = await sessions.turn(turn(tokenizer, after, **ROLLING).model_copy(update={"growth": growth}), tokenizer)
@@ -531,12 +538,25 @@ async def test_past_the_threshold_a_short_reply_stays_verbatim_so_every_chunk_wa
 ) -> None:
     """The new turn is longer than keep_recent_tokens, so a blocking compaction summarises the agent's reply to the
     last turn too (a chunk nobody could roll ahead). The rolling session keeps that reply verbatim instead: a few
-    tokens more than blocking (at most a quarter of keep_recent_tokens), and nothing sent at the threshold."""
-    outcome, blocking, sent, last = await rolled_to_the_threshold(tokenizer, "Noted.", f"B: {notes(30)}")
+    tokens more than blocking (at most a quarter of keep_recent_tokens), and nothing sent at the threshold. So it
+    does when the reply handed on once sent is not the one the client sends back (the follow-up's chunk is not
+    blocking's)."""
+    outcome, blocking, sent, last = await rolled_to_the_threshold(tokenizer, "Noted.", f"B: {notes(30)}", "Other.")
     assert blocking.replaces_through == last + 1 and outcome.replaces_through == last  # the reply stays verbatim
     assert outcome.stats is not None and outcome.stats.reused_chunks == outcome.stats.chunks and sent == 0
     assert blocking.compacted_prompt_tokens is not None and outcome.compacted_prompt_tokens is not None
     assert blocking.compacted_prompt_tokens < outcome.compacted_prompt_tokens <= blocking.compacted_prompt_tokens + 43
+
+
+async def test_the_reply_handed_on_once_sent_is_rolled_too_so_the_threshold_compacts_exactly_as_blocking(
+    tokenizer: HFChatTokenizer,
+) -> None:
+    """The same turns, the reply handed to the session once it was sent: a follow-up run summarises blocking's own
+    last chunk (the reply in it) before the threshold, which then compacts as blocking does and sends nothing."""
+    outcome, blocking, sent, last = await rolled_to_the_threshold(tokenizer, "Noted.", f"B: {notes(30)}", "Noted.")
+    assert outcome.replaces_through == blocking.replaces_through == last + 1 and outcome.messages == blocking.messages
+    assert outcome.compacted_prompt_tokens == blocking.compacted_prompt_tokens and borders(outcome) == borders(blocking)
+    assert outcome.stats is not None and outcome.stats.reused_chunks == outcome.stats.chunks and sent == 0
 
 
 async def test_a_chunk_summarised_ahead_for_another_span_end_never_cuts_the_thresholds_span_differently(

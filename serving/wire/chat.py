@@ -4,6 +4,7 @@ beside the chat-completion fields (on the last data event when streamed), its me
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import AsyncIterable, AsyncIterator, Callable
 from typing import Any
@@ -12,6 +13,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from compaction.errors import InvalidInput
 from serving.turns import TurnCompaction
+from serving.wire.sse import Events
 
 # vLLM's request fields only the service may set: the engine's scheduling priority (a client's would rank its
 # turns above every other agent's), its request ids, transfer and extension hooks, a template of its own, raw
@@ -37,20 +39,66 @@ def compaction_json(outcome: TurnCompaction) -> dict[str, Any]:
     return data
 
 
-def when_sent(response: Response, done: Callable[[], None]) -> Response:
-    """The response, with `done` called once it is sent: now, or after the last event of a stream."""
+def when_sent(response: Response, done: Callable[[dict[str, Any] | None], None]) -> Response:
+    """The response, with `done` called once it is sent (now, or after the last event of a stream) with the
+    assistant message it answered (None: it answered none, an error)."""
     if not isinstance(response, StreamingResponse):
-        done()
+        reply = Reply()
+        if isinstance(response, JSONResponse) and response.status_code == 200:
+            with contextlib.suppress(ValueError):  # not JSON: no message to read
+                reply.add(json.loads(bytes(response.body)))
+        done(reply.message())
         return response
 
     async def events() -> AsyncIterator[Any]:
+        reply, chunks = Reply(), Events()
         try:
             async for event in response.body_iterator:
                 yield event
+                for chunk in chunks.feed(event):
+                    reply.add(chunk)
         finally:
-            done()
+            done(reply.message() if response.status_code == 200 else None)
 
     return StreamingResponse(events(), status_code=response.status_code, media_type=response.media_type)
+
+
+class Reply:
+    """The assistant message a chat completion answered: its JSON's, or the deltas of its stream's chunks."""
+
+    def __init__(self) -> None:
+        self.text: list[str] = []
+        self.calls: dict[int, dict[str, Any]] = {}
+        self.seen = False
+
+    def add(self, chunk: Any) -> None:
+        choices = chunk.get("choices") if isinstance(chunk, dict) else None
+        part: dict[str, Any] = (
+            choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else {}
+        )
+        said = part.get("delta") or part.get("message")
+        if not isinstance(said, dict):
+            return
+        self.seen = True
+        if isinstance(said.get("content"), str):
+            self.text.append(said["content"])
+        for call in said.get("tool_calls") or []:
+            if not isinstance(call, dict):
+                continue
+            blank = {"id": None, "type": "function", "function": {"name": "", "arguments": ""}}
+            slot = self.calls.setdefault(call.get("index", len(self.calls)), blank)
+            slot["id"] = call.get("id") or slot["id"]
+            function = call["function"] if isinstance(call.get("function"), dict) else {}
+            for name in ("name", "arguments"):
+                slot["function"][name] += function.get(name) or ""
+
+    def message(self) -> dict[str, Any] | None:
+        if not self.seen:
+            return None
+        text = "".join(self.text)
+        if not self.calls:
+            return {"role": "assistant", "content": text}
+        return {"role": "assistant", "content": text or None, "tool_calls": [self.calls[k] for k in sorted(self.calls)]}
 
 
 def with_compaction(response: Response, outcome: TurnCompaction) -> Response:

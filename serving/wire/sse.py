@@ -9,24 +9,38 @@ from typing import Any
 
 async def chat_chunks(packets: AsyncIterable[Any]) -> AsyncIterator[dict[str, Any]]:
     """The chat completion chunks of a stream of `data: {...}` events (text or bytes, split anywhere)."""
-    pending = ""
+    events = Events()
     async for packet in packets:
-        pending += bytes(packet).decode() if isinstance(packet, bytes | bytearray | memoryview) else str(packet)
-        *complete, pending = pending.split("\n\n")
-        for event in complete:
-            chunk = _data(event)
-            if chunk is not None:
-                yield chunk
-    chunk = _data(pending)
-    if chunk is not None:
+        for chunk in events.feed(packet):
+            yield chunk
+    for chunk in events.end():
         yield chunk
+
+
+class Events:
+    """The chat completion chunks of `data: {...}` events, fed the packets they arrive in (split anywhere)."""
+
+    def __init__(self) -> None:
+        self.pending = ""
+
+    def feed(self, packet: Any) -> list[dict[str, Any]]:
+        self.pending += bytes(packet).decode() if isinstance(packet, bytes | bytearray | memoryview) else str(packet)
+        *complete, self.pending = self.pending.split("\n\n")
+        return [chunk for event in complete if (chunk := _data(event)) is not None]
+
+    def end(self) -> list[dict[str, Any]]:
+        chunk, self.pending = _data(self.pending), ""
+        return [chunk] if chunk is not None else []
 
 
 def _data(event: str) -> dict[str, Any] | None:
     lines = [line[5:].strip() for line in event.splitlines() if line.startswith("data:")]
     if not lines or lines[-1] == "[DONE]":
         return None
-    payload = json.loads("".join(lines))
+    try:
+        payload = json.loads("".join(lines))
+    except ValueError:  # not a chunk (a comment, a keep-alive): nothing to read
+        return None
     return payload if isinstance(payload, dict) else None
 
 

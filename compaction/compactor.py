@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from compaction.backend import Backend, GenerationRequest
+from compaction.bounded import BoundedLRU
 from compaction.checks.grounding import Source
 from compaction.checks.settle import Attempt, Settled, settle, should_retry
 from compaction.chunk_cache import ChunkCache
@@ -36,6 +37,7 @@ from compaction.tokenizer import ChatTokenizer
 
 RETRY_REPETITION_PENALTY = 1.3
 FALLBACKS = frozenset({"kept_verbatim", "extractive_fallback"})  # a chunk's statuses without a model summary
+FELL_BACK_ENTRIES = 4096  # chunk prompts remembered as fallen back in a background run
 _Kept = tuple[ChunkStats, str]  # a chunk's stats and kept text
 
 
@@ -86,6 +88,7 @@ class Compactor:
         self.cache = cache  # chunk summaries reused across compactions; None disables reuse
         self.limits = limits  # caps on chunks and history tokens (compaction.partition); None: none
         self._in_flight: dict[tuple[str, ...], _InFlight] = {}  # chunk prompts being summarised, by identity
+        self._fell_back: BoundedLRU[tuple[str, ...], bool] = BoundedLRU(FELL_BACK_ENTRIES)  # in background runs
 
     def plan(
         self,
@@ -198,9 +201,11 @@ class Compactor:
         mine = _InFlight(backend, asyncio.get_running_loop().create_future(), keep_fallbacks)
         self._in_flight[key] = mine
         try:
-            stats, text = await self._summarise(backend, plan, k, route)
+            stats, text = await self._summarise(backend, plan, k, route, both=self._fell_back.pop(key) is not None)
             if keep_fallbacks or stats.status not in FALLBACKS:
                 self.cache.put(plan.scope, plan.history.token_ids, prompt.chunk, prompt.view, text, stats, last)
+            else:
+                self._fell_back.put(key, True)
             mine.done.set_result((stats, text))
             return stats, text
         finally:
@@ -221,15 +226,17 @@ class Compactor:
         return None if hit is None else _as_reused((hit.stats, hit.text), k)
 
     async def _summarise(
-        self, backend: Backend, plan: CompactionPlan, k: int, route: str | None
+        self, backend: Backend, plan: CompactionPlan, k: int, route: str | None, both: bool = False
     ) -> tuple[ChunkStats, str]:
+        """Chunk k's summary: its prompt, then its strict prompt if that attempt was bad. `both`: the chunk fell back
+        before (a background run's summary, never kept), so both prompts go at once, the strict one's answer
+        used only if the first is bad: the agent waiting for it waits for one attempt, not two."""
         opts = plan.options
         began = time.perf_counter()
         source = self._source(plan, k)
-        attempts: list[Attempt] = []
-        while not attempts or should_retry(attempts, opts):
-            strict = bool(attempts)
-            request = GenerationRequest(
+
+        def request(strict: bool) -> GenerationRequest:
+            return GenerationRequest(
                 prompt_token_ids=(plan.strict_prompts if strict else plan.prompts)[k].token_ids,
                 max_tokens=model_budget(opts),
                 min_tokens=model_budget(opts) if opts.fixed_output_tokens else 0,
@@ -240,7 +247,15 @@ class Compactor:
                 request_id=request_id(k, strict),
                 routing_key=route,
             )
-            attempts.append(Attempt.of(await backend.generate(request), source))
+
+        attempts: list[Attempt] = []
+        spent: list[Attempt] = []  # every attempt made, for the stats
+        if both and opts.retry_bad_summaries and not opts.fixed_output_tokens:
+            first, strict = await asyncio.gather(backend.generate(request(False)), backend.generate(request(True)))
+            spent = [Attempt.of(first, source), Attempt.of(strict, source)]
+            attempts = spent if should_retry(spent[:1], opts) else spent[:1]
+        while not attempts or should_retry(attempts, opts):
+            attempts.append(Attempt.of(await backend.generate(request(bool(attempts))), source))
         chunk = plan.chunks[k]
         kept = settle(
             attempts,
@@ -250,7 +265,7 @@ class Compactor:
             extractive=lambda: self._extractive_text(plan, chunk),
             instructions=self.tokenizer.decode(plan.prompts[k].tail),
         )
-        return self._chunk_stats(plan, k, attempts, kept, time.perf_counter() - began), kept.text
+        return self._chunk_stats(plan, k, attempts, kept, time.perf_counter() - began, spent), kept.text
 
     def _source(self, plan: CompactionPlan, k: int) -> Source:
         """What chunk k's summary may state: the chunk, the history before it, and the caller's instructions
@@ -281,9 +296,15 @@ class Compactor:
         return self._chunk_stats(plan, chunk.index, [], kept, time.perf_counter() - began), text
 
     def _chunk_stats(
-        self, plan: CompactionPlan, k: int, attempts: list[Attempt], kept: Settled, latency: float
+        self,
+        plan: CompactionPlan,
+        k: int,
+        attempts: list[Attempt],
+        kept: Settled,
+        latency: float,
+        spent: Sequence[Attempt] = (),
     ) -> ChunkStats:
-        generations = [a.generation for a in attempts]
+        generations = [a.generation for a in spent or attempts]  # what was sent, an unused attempt too
         first = attempts[0] if attempts else None
         return ChunkStats(
             index=k,

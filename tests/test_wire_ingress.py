@@ -3,6 +3,7 @@ replaced by fakes (the chat path's turn logic runs for real on fake replicas).""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -14,6 +15,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from compaction.errors import InvalidInput
+from compaction.history import Message
 from compaction.partition import PlanLimits
 from compaction.tokenizer import ChatTokenizer
 from serving.api import CompactionIngress
@@ -51,6 +53,12 @@ class Ingress(CompactionIngress):
         self._tokenizers = {MODEL: tokenizer}
         self._counters = {(DEFAULT_TENANT, MODEL): self.path.counter}
         self.turns: list[ChatTurn] = []
+        self._replies: dict[str, asyncio.Task[Any]] = {}
+        self.replies: list[tuple[str, str, str, int, dict[str, Any]]] = []  # what went to the coordinator
+
+    def _reply_to(self, model: str, tenant: str, session: str, messages: int, reply: dict[str, Any]) -> None:
+        self.replies.append((model, tenant, session, messages, reply))
+        self.path.sessions.replied(model, tenant, session, messages, Message.model_validate(reply))
 
     async def _turn(self, turn: ChatTurn) -> TurnCompaction:
         self.turns.append(turn)

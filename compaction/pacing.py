@@ -18,7 +18,10 @@ decode step waits behind a background prompt's prefill chunk (seconds on a CPU).
     that arrives meanwhile waits one small step, not a whole `max_num_batched_tokens` of prefill;
   - `NEXT` work is never held in decode, and prefills beside the agent's running requests at most
     `next_step_tokens` tokens a step (held only while an agent request waits to be admitted): it is
-    done beside the agent's own turn, at a bounded cost to it, instead of at the next turn.
+    done beside the agent's own turn, at a bounded cost to it, instead of at the next turn;
+  - other background work may do the same within `background_beside_tokens` a step (0 on the CPU, where
+    a prefill step costs the agent a second): on a busy GPU engine, where some agent request is always
+    decoding, holding its prefill would starve it.
 Background work held back this way is never starved past the point it is needed: the turn that needs
 its result re-sends what is left at the agent's priority (`serving.background`, `Escalation`).
 """
@@ -26,6 +29,7 @@ its result re-sends what is left at the agent's priority (`serving.background`, 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
@@ -46,29 +50,36 @@ class YieldRule:
     background_step_tokens: int | None = None  # token budget of a step led by background work; None: the engine's
     decode_beside: bool = True  # background requests may decode beside the agent's
     next_step_tokens: int = 64  # what NEXT requests may prefill in a step led by agent requests
+    background_beside_tokens: int = 0  # what background requests may prefill in such a step (0: none)
+
+    def beside(self, priority: int) -> int:
+        """Tokens a request of this priority, less urgent than the agent's, may prefill in a step the agent leads."""
+        return self.next_step_tokens if priority == NEXT else self.background_beside_tokens
 
     def held(self, priority: int, lead: int, prefilling: bool, lead_waiting: bool = False) -> bool:
         """True when a request sits this step out (`lead_waiting`: a request of the lead priority waits to be
         admitted)."""
         if priority <= lead:
             return False
-        if priority == NEXT:
-            return prefilling and lead_waiting
-        return prefilling or not self.decode_beside
+        if lead > AGENT:  # background work beside NEXT work, no agent on the engine
+            return prefilling or not self.decode_beside
+        if prefilling:
+            return lead_waiting or self.beside(priority) <= 0
+        return priority != NEXT and not self.decode_beside
 
-    def budget(self, lead: int, engine_budget: int, lead_tokens: int | None = None) -> int:
+    def budget(self, lead: int, engine_budget: int, lead_tokens: int | None = None, allowance: int = 0) -> int:
         """Token budget of a step whose most urgent request has priority `lead`; `lead_tokens`: what the lead's
-        requests need this step when NEXT requests prefill beside them (None: none does)."""
+        requests need this step when less urgent ones prefill beside them (None: none does), `allowance`: the most
+        those may prefill."""
         if lead <= AGENT:
-            return engine_budget if lead_tokens is None else min(engine_budget, lead_tokens + self.next_step_tokens)
+            return engine_budget if lead_tokens is None else min(engine_budget, lead_tokens + allowance)
         if self.background_step_tokens is None:
             return engine_budget
         return min(engine_budget, self.background_step_tokens)
 
     def config(self) -> dict[str, Any]:
         """The rule as the engine's `additional_config` entry."""
-        entry = {"background_step_tokens": self.background_step_tokens, "decode_beside": self.decode_beside}
-        return {CONFIG_KEY: {**entry, "next_step_tokens": self.next_step_tokens}}
+        return {CONFIG_KEY: dataclasses.asdict(self)}
 
     @classmethod
     def from_config(cls, additional_config: Any) -> YieldRule:

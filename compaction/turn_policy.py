@@ -18,7 +18,7 @@ and the turn's rendered prompt of P tokens is handled by `decide`:
 With apply_background "rolling" the background work is chunk summaries for the chunk cache, never a result
 to splice: below the threshold a run starts (as above), again each time a whole chunk's worth of history
 has become final since the last (each looking one turn of G ahead), and at the last turn before the
-threshold (one more turn of G would pass it), whose run summarises the whole history, its last chunk too;
+threshold (one more turn of 1.5 G would pass it), whose run summarises the whole history, its last chunk too;
 past the threshold the turn compacts as a blocking one would, taking the rolled summaries and joining the
 run in flight; its kept turns start where that last run ended when that keeps at most a quarter of
 keep_recent_tokens more, so it finds every chunk summarised.
@@ -48,6 +48,7 @@ KEEP_RECENT_SHARE = 0.25  # the newest turns up to this share of the (lower) thr
 CARRY_SHARE = 0.25  # earlier summaries are carried verbatim while within this share of compact_threshold
 USER_WORDS_SHARE = 0.075  # the user's words kept verbatim: this share of compact_threshold (Codex: 20k of 272k)
 LAST_ROLL_IDLE_SHARE = 0.25  # the last rolling run before the threshold needs this share of background_min_idle_s
+LAST_ROLL_GROWTH = 1.5  # a rolling session's next turn may be this much longer than its longest recent one
 ENTRY_TYPE = "compaction"
 
 
@@ -248,9 +249,11 @@ def decide(
 
 
 def last_before_threshold(tokens: int, growth: int, entry: ContextManagement) -> bool:
-    """One more turn growing the prompt by `growth` passes compact_threshold: a rolling run started now summarises
-    the whole history, its last chunk too (`serving.background`)."""
-    return tokens + growth > entry.compact_threshold
+    """One more turn up to LAST_ROLL_GROWTH times `growth` passes compact_threshold: a rolling run started now
+    summarises the whole history, its last chunk too (`serving.background`). The margin: an agent's turns vary
+    (a LoCoMo session after shorter ones is half again as long as any of the last four), and a turn that passes
+    the threshold unforeseen waits for a whole blocking compaction."""
+    return tokens + LAST_ROLL_GROWTH * growth > entry.compact_threshold
 
 
 def _rolling(

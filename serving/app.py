@@ -217,6 +217,7 @@ class CoordinatorDeployment:
                 RunningReplicas(handle),
                 args.cost.get(spec.name, CostModel()),
                 batch_sequences=math.ceil(spec.batch_sequences() / args.coordinator_replicas),
+                next_beside=spec.next_step_tokens > 0,
             )
             self._backends[spec.name] = backend
         name = serve.get_replica_context().replica_id.unique_id

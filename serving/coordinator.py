@@ -150,6 +150,7 @@ class ModelRuntime:
     replicas: Callable[[], Awaitable[int]]  # running replicas of the model, right now
     cost: CostModel = field(default_factory=CostModel)
     batch_sequences: int = 128  # sequences one model replica batches that this coordinator may fill (its share)
+    next_beside: bool = True  # its engines let NEXT work prefill beside the agent's (YieldRule.next_step_tokens)
 
 
 class AdmissionConfig(BaseModel):
@@ -276,8 +277,10 @@ class Coordinator:
         async with gate.admitted(len(todo), job.tenant, background=job.priority == "background", urgent=urgent):
             shape = self._placement_input(plan, job, replicas, compactor)
             placement = await asyncio.to_thread(place, shape, job.placement, runtime.cost)
-            # The last run before the threshold is what the agent's next turn waits for: it goes beside its turns.
-            priority = NEXT if job.roll_last and job.priority == "background" else PRIORITIES[job.priority]
+            # The last run before the threshold is what the agent's next turn waits for: beside its turn where the
+            # engines allow (never starved, never re-sent), else in its tool gaps as other background work.
+            last = job.roll_last and job.priority == "background" and runtime.next_beside
+            priority = NEXT if last else PRIORITIES[job.priority]
             backend = Escalation(Salted(compactor.backend, job.cache_salt), priority, urgent)
             # A chunk whose summary fell back is not kept: the compaction at the threshold asks the model again.
             routes = placement.routes()

@@ -155,11 +155,19 @@ class ModelSpec(BaseModel):
     )
     next_step_tokens: int = Field(
         64,
-        ge=1,
+        ge=0,
         le=1_048_576,
         description="Tokens of an agent-led engine step that the work the agent's next turn waits for (a rolling "
         "session's last run before its threshold) may prefill beside it; it also decodes beside it "
-        "(compaction.pacing.NEXT).",
+        "(compaction.pacing.NEXT). 0: that work runs as other background work does, in the agent's tool gaps.",
+    )
+    background_beside_tokens: int = Field(
+        0,
+        ge=0,
+        le=1_048_576,
+        description="Tokens of an agent-led engine step that background compaction may prefill beside it (0: none, "
+        "it waits for a step without agent work; the CPU's measured rule). On a busy GPU engine some agent request "
+        "is always decoding, so 0 would starve background work there.",
     )
     max_chunks: int | None = Field(
         None,
@@ -319,7 +327,12 @@ class ModelSpec(BaseModel):
 
     def yield_rule(self) -> YieldRule:
         """How background compaction yields to the agent on this model's engines (compaction.pacing)."""
-        return YieldRule(self.background_step_tokens, self.background_decode_beside, self.next_step_tokens)
+        return YieldRule(
+            self.background_step_tokens,
+            self.background_decode_beside,
+            self.next_step_tokens,
+            self.background_beside_tokens,
+        )
 
     def server_kwargs(self) -> dict[str, Any]:
         """Constructor arguments of this model's server class beyond the LLMConfig (serving.placement)."""

@@ -36,7 +36,7 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request
 
-from compaction.pacing import AGENT, NEXT, YieldRule
+from compaction.pacing import AGENT, YieldRule
 
 
 def prefilling(request: Request) -> bool:
@@ -68,7 +68,7 @@ class Yielding(Scheduler):
             self.running = [r for r in self.running if id(r) not in sitting]
         if waiting:
             self.waiting.remove_requests(waiting)
-        self.max_num_scheduled_tokens = rule.budget(lead, self._engine_budget, self._beside(lead))
+        self.max_num_scheduled_tokens = self._budget(lead)
         try:
             return super().schedule(*args, **kwargs)
         finally:
@@ -76,23 +76,22 @@ class Yielding(Scheduler):
             self.running.extend(held)
             self.waiting.prepend_requests(waiting)
 
-    def _beside(self, lead: int) -> int | None:
-        """When NEXT requests prefill beside the lead's this step: the tokens the lead's requests need (they go
-        first), so the step's budget leaves the NEXT ones `next_step_tokens` at most. None otherwise."""
-        if lead != AGENT:
-            return None
-        beside = any(r.priority == NEXT and prefilling(r) for r in self.running) or any(
-            r.priority == NEXT for r in self.waiting
-        )
-        if not beside:
-            return None
+    def _budget(self, lead: int) -> int:
+        """The step's token budget. When less urgent requests prefill beside the agent's (`YieldRule.beside`), it is
+        what the agent's requests need (they go first) plus the largest of their allowances."""
+        rule = self.yield_rule
+        beside = [r.priority for r in self.running if r.priority > lead and prefilling(r)]
+        beside += [r.priority for r in self.waiting if r.priority > lead]
+        if lead != AGENT or not beside:
+            return rule.budget(lead, self._engine_budget)
         self.running.sort(key=lambda r: r.priority)  # vLLM schedules its running list in order
         leads = [r for r in self.running if r.priority == lead]
-        return sum(max(1, r.num_tokens_with_spec + r.num_output_placeholders - r.num_computed_tokens) for r in leads)
+        need = sum(max(1, r.num_tokens_with_spec + r.num_output_placeholders - r.num_computed_tokens) for r in leads)
+        return rule.budget(lead, self._engine_budget, need, max(rule.beside(p) for p in beside))
 
     def _make_room(self, lead: int) -> None:
-        """Preempt held requests until the first waiting request of priority `lead` fits in the free blocks
-        (counted as if nothing of it were cached)."""
+        """Preempt less urgent running requests until the first waiting request of priority `lead` fits in the free
+        blocks (counted as if nothing of it were cached)."""
         first = next((r for r in self.waiting if r.priority == lead), None)
         pool = self.kv_cache_manager.block_pool
         need = cdiv(first.num_tokens + 1, self.block_size) if first is not None else 0

@@ -28,9 +28,17 @@ def test_the_next_turns_work_goes_beside_the_agents_turn_within_a_small_budget()
     assert not rule.held(NEXT, AGENT, prefilling=False)  # decodes beside the agent
     assert not rule.held(NEXT, AGENT, prefilling=True)  # prefills beside the agent's running requests...
     assert rule.held(NEXT, AGENT, prefilling=True, lead_waiting=True)  # ...never before an agent request is admitted
-    assert rule.budget(AGENT, 2048, lead_tokens=3) == 3 + rule.next_step_tokens  # at most that beside them
-    assert rule.budget(AGENT, 2048, lead_tokens=4000) == 2048  # an agent prefill takes the whole step
+    assert rule.budget(AGENT, 2048, 3, rule.beside(NEXT)) == 3 + rule.next_step_tokens  # at most that beside them
+    assert rule.budget(AGENT, 2048, 4000, rule.beside(NEXT)) == 2048  # an agent prefill takes the whole step
     assert rule.budget(NEXT, 2048) == 256  # alone, it runs in background steps
+
+
+def test_on_a_gpu_background_work_prefills_beside_agent_decode_within_its_allowance() -> None:
+    rule = YieldRule(background_step_tokens=2048, decode_beside=True, background_beside_tokens=256)
+    assert not rule.held(BACKGROUND, AGENT, prefilling=True) and rule.beside(BACKGROUND) == 256
+    assert rule.held(BACKGROUND, AGENT, prefilling=True, lead_waiting=True)  # never before an agent is admitted
+    assert rule.held(BACKGROUND, NEXT, prefilling=True)  # behind NEXT work, as before
+    assert rule.budget(AGENT, 8192, 40, 256) == 296 and CPU_RULE.beside(BACKGROUND) == 0
 
 
 def test_the_rule_travels_in_the_engines_additional_config() -> None:

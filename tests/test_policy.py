@@ -176,7 +176,8 @@ def test_rolling_compacts_at_the_threshold_as_blocking_would_and_rolls_on_each_n
     # The last turn before the threshold rolls whatever became final, so that turn's chunks are ready at it.
     assert decide(3700, rolling, "done", True, growth=400, fresh=100) == "start_background"
     assert decide(3700, rolling, "done", True, growth=400, fresh=0) == "none"
-    assert decide(3500, rolling, "done", True, growth=400, fresh=100) == "none"
+    assert decide(3300, rolling, "done", True, growth=400, fresh=100) == "none"
+    assert decide(3500, rolling, "done", True, growth=400, fresh=100) == "start_background"  # 3500 + 1.5 x 400
     # It starts beside a regular run still in flight (joining its chunks), never beside another last turn's.
     assert decide(3700, rolling, "running", True, growth=400, fresh=100) == "start_background"
     assert decide(3700, rolling, "running", True, growth=400, fresh=100, running_last=True) == "none"

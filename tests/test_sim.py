@@ -148,6 +148,25 @@ def test_a_background_prefill_yields_to_an_agent_turn_and_resumes(yielding: bool
     assert background.cached_tokens == 0 and background.computed_tokens == 2000
 
 
+def test_background_prefill_beside_agent_decode_takes_at_most_its_allowance_a_step() -> None:
+    """An agent decodes 400 tokens; a 100-token background prompt arrives. Held (the CPU rule), it waits for the
+    agent's last token. With 16 tokens a step beside the agent, it is done within the agent's turn, which pays
+    the prefill's 0.1 s of work, 16 tokens' worth a step."""
+    finished = {}
+    for beside in (0, 16):
+        env = simpy.Environment()
+        cluster = Cluster(env, toy_profile(), 1, "pinned", beside_tokens=beside)
+        turn = cluster.turn("s", "h", 8, 400)
+        env.run(until=0.05)
+        background = cluster.submit(0, 100, 1, "other", 0, kind="chunk", priority=BACKGROUND)
+        env.run()
+        finished[beside] = (turn.finished, background.finished)
+    (alone, after), (slowed, during) = finished[0], finished[16]
+    assert after > alone and during < slowed  # held until the agent's turn ends / done within it
+    assert during == pytest.approx(0.05 + 100 / 16 * (0.011 + 0.016), abs=0.02)
+    assert slowed - alone == pytest.approx(0.1, abs=0.02)
+
+
 def test_a_waiting_turn_raises_a_background_compaction_to_the_agents_priority() -> None:
     env = simpy.Environment()
     cluster = Cluster(env, toy_profile(), 1, "pinned", homes={"s": 0})

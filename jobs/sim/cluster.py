@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Generator, Hashable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import simpy
@@ -35,12 +35,14 @@ def cost_model(profile: EngineProfile, context_tokens: int = 8192) -> CostModel:
     )
 
 
-def yield_rule(profile: EngineProfile) -> YieldRule:
-    """The yield rule the catalogue gives the profile's model (the GPU default where it names none)."""
+def yield_rule(profile: EngineProfile, beside_tokens: int | None = None) -> YieldRule:
+    """The yield rule the catalogue gives the profile's model (the GPU default where it names none); `beside_tokens`
+    replaces its background_beside_tokens."""
     from serving.models import load_catalogue
 
     spec = load_catalogue().by_name.get(profile.model)
-    return spec.yield_rule() if spec else YieldRule()
+    rule = spec.yield_rule() if spec else YieldRule()
+    return rule if beside_tokens is None else replace(rule, background_beside_tokens=beside_tokens)
 
 
 @dataclass(frozen=True)
@@ -97,10 +99,11 @@ class Cluster:
         admission: Admission = Admission(),
         homes: dict[str, int] | None = None,
         yielding: bool = True,
+        beside_tokens: int | None = None,
     ) -> None:
         self.env = env
         self.profile = profile
-        rule = yield_rule(profile) if yielding else None
+        rule = yield_rule(profile, beside_tokens) if yielding else None
         self.replicas = [Replica(env, i, profile, rule=rule) for i in range(replicas)]
         if profile.host_parallelism is not None:  # one shared host (the CPU service); GPUs are each their own
             for replica in self.replicas:

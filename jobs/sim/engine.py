@@ -14,7 +14,8 @@ state re-times its peers.
 
 Priorities follow the engines' yield rule (`compaction.pacing`, `serving.scheduler`): a background request (a background
 compaction's chunk prompt, the prefill of its compacted prompt) prefills only while no agent-priority request is on
-the replica, and its steps are at most `background_step_tokens`; an agent request that arrives takes over the prefill
+the replica, or beside agent decode at most `background_beside_tokens` a step, and its own steps are at most
+`background_step_tokens`; an agent request that arrives takes over the prefill
 at once (in the engine it waits for one such step). Background sequences always decode beside agent ones here (the
 GPU rule; on the CPU the rule holds them back too, which the simulator does not model). `yielding=False` gives every
 request the same priority, as vLLM's FCFS scheduler does.
@@ -164,8 +165,12 @@ class Replica:
             return decode, 0.0
         step = self.profile.max_batched_tokens
         if self.rule is not None and self.prefilling.priority > AGENT:
-            if self._agent_busy():
-                return decode, 0.0  # held: no background prefill beside agent work
+            if self._agent_busy():  # agent requests decode (one waiting would have taken the prefill over)
+                allowance = self.rule.beside(self.prefilling.priority)
+                if allowance <= 0:
+                    return decode, 0.0  # held: no background prefill beside agent work
+                work = allowance / self.profile.prefill_tokens_per_s
+                return decode + work * slow, work
             step = self.rule.budget(self.prefilling.priority, step)
         chunk = max(self.profile.block_size, step - batch)
         work = chunk / self.profile.prefill_tokens_per_s

@@ -71,6 +71,9 @@ def agents_table(rows: pd.DataFrame) -> pd.DataFrame:
     if part.empty:
         return pd.DataFrame()
     kind = part.yielding.map({True: "background, yielding", False: "background, equal priority"})
+    if "background_beside_tokens" in part and part.background_beside_tokens.notna().any():
+        beside = part.background_beside_tokens.fillna(0).astype(int)
+        kind = kind.where(~part.yielding, kind + ", " + beside.astype(str) + " beside")
     part["run"] = part["mode"].where(part["mode"] == "blocking", kind)
     part = part.drop_duplicates(["replicas", "sessions", "run"])  # blocking has no background work to yield
     blocking = part[part.run == "blocking"].set_index(["replicas", "sessions"]).turn_latency_p95_s

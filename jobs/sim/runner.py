@@ -33,7 +33,15 @@ def simulate(config: SimConfig, profile: EngineProfile | None = None) -> dict[st
     stream = tuple(synthetic_stream(rng)) if config.dataset == "synthetic" else dataset_stream(config.dataset)
     env = simpy.Environment()
     admission = Admission(config.max_running_compactions, config.max_queued_compactions)
-    cluster = Cluster(env, profile, config.replicas, config.policy, admission=admission, yielding=config.yielding)
+    cluster = Cluster(
+        env,
+        profile,
+        config.replicas,
+        config.policy,
+        admission=admission,
+        yielding=config.yielding,
+        beside_tokens=config.background_beside_tokens,
+    )
     recorder = Recorder()
     for index in range(config.sessions):
         session = Session(index, config, cluster, stream, random.Random(rng.getrandbits(64)))

@@ -61,6 +61,12 @@ class SimConfig(BaseModel):
     yielding: bool = Field(
         True, description="Engines run the yield rule and background compactions go at background priority."
     )
+    background_beside_tokens: int | None = Field(
+        None,
+        ge=0,
+        le=1_048_576,
+        description="Yielding: tokens of an agent-led step background prefill may take (None: the catalogue's).",
+    )
     apply_background: Literal["ready", "threshold"] = Field(
         "ready", description="background mode: a finished run is applied at the next turn, or only at tau."
     )

@@ -269,6 +269,10 @@ class CoordinatorDeployment:
         with contextlib.suppress(CompactionError, ValidationError):  # a head start only
             self._sessions.replied(model, tenant, session, messages, Message.model_validate(reply))
 
+    async def settled(self, tenant: str, session: str, timeout_s: float = 60.0) -> bool:
+        """Whether the session's background work on this coordinator ended within `timeout_s` (waiting for it)."""
+        return await self._sessions.settled(tenant, session, timeout_s)
+
     async def replicas(self) -> dict[str, int]:
         """Running replicas of every hosted model."""
         runtimes = self._coordinator.models

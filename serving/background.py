@@ -133,6 +133,8 @@ class SessionCompactions:
         follows = running is not None and running.followed_by(turn.messages)
         if running is not None and running.last and not follows and state in ("running", "done"):
             prefer = running.snapshot.length  # the reply after its history stays verbatim if it can
+            if running.follow is not None:
+                running.follow.cancel()  # not done (or not this reply): its chunk would only be waited for
         if running is not None and running.rolling and state != "absent" and (state == "running" or follows):
             running.hurry()  # its prompts go on at the agent's priority; the compaction below joins them
             await running.in_flight()
@@ -198,7 +200,24 @@ class SessionCompactions:
         running.follow = asyncio.create_task(lean(lambda: roll(follow, urgent, sent)), name=f"reply-{session}")
         running.follow.add_done_callback(retrieve)
         running.follow_bytes = len(follow.model_dump_json())
+        running.followed.set()
         self._shed()
+
+    async def settled(self, tenant: str, session: str, timeout_s: float) -> bool:
+        """Until the session's background work has ended, a last run's follow-up with its reply included (once the
+        reply is handed on); False if it had not within `timeout_s`. For tools and tests that need a session at
+        rest."""
+        running = self._runs[tenant].peek(session) if tenant in self._runs else None
+        if running is None:
+            return True
+        try:
+            async with asyncio.timeout(timeout_s):
+                if running.job is not None:
+                    await running.followed.wait()
+                await asyncio.wait([t for t in (running.warmed, running.follow) if t is not None])
+        except TimeoutError:
+            return False
+        return True
 
     def _start(self, turn: ChatTurn, messages: Sequence[Message], digests: Sequence[str], tokens: int) -> Running:
         session = turn.session_id or ""

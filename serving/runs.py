@@ -40,6 +40,7 @@ class Running:
     follow_sent: asyncio.Event = field(default_factory=asyncio.Event)  # its chunk prompts are in flight
     follow_bytes: int = 0  # what the follow-up's job holds while it runs
     follow_digest: str | None = None  # the reply it took (`compaction.turn_policy.message_digests`, lean)
+    followed: asyncio.Event = field(default_factory=asyncio.Event)  # its follow-up has started
 
     def state(self, digests: Sequence[str], turn: ChatTurn) -> Background:
         if self.made_for != usable_by(turn) or not self.snapshot.covers(digests):
@@ -49,10 +50,11 @@ class Running:
         return "failed" if self.warmed.cancelled() or self.warmed.exception() is not None else "done"
 
     def followed_by(self, messages: Sequence[Message]) -> bool:
-        """The history goes on with the reply its follow-up took (as the template reads it): that run's chunks are
-        the ones a compaction of this history cuts."""
-        length, digest = self.snapshot.length, self.follow_digest
-        return digest is not None and len(messages) > length and reply_digest(messages[length]) == digest
+        """Its follow-up has summarised its history with the reply, and the history goes on with that reply (as the
+        template reads it): that run's chunks are the ones a compaction of this history cuts."""
+        length, digest, follow = self.snapshot.length, self.follow_digest, self.follow
+        done = follow is not None and follow.done() and not follow.cancelled() and follow.exception() is None
+        return done and len(messages) > length and reply_digest(messages[length]) == digest
 
     def busy(self) -> bool:
         """Still compacting or prefilling (its follow-up included)."""

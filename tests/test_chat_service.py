@@ -12,6 +12,7 @@ import pytest
 from compaction.history import parse_messages
 from compaction.turn_policy import prompt_tokens
 from jobs.data.traces import TOOLS, coding_trace
+from serving.tenants import DEFAULT_TENANT
 from tests.support import SERVED_MODEL, SERVICE_KEY
 
 pytestmark = [pytest.mark.ray, pytest.mark.engine]
@@ -126,6 +127,17 @@ def test_a_rolling_session_compacts_at_its_threshold_as_blocking_would_from_summ
     assert borders(rolled) == borders(made) and rolled["replaces_through"] == made["replaces_through"]
 
 
+def settled(session: str) -> bool:
+    """The session's background work has ended on the coordinator replica it hashes to (serving.app.settled)."""
+    from ray import serve
+
+    from serving.local import APP_NAME
+
+    coordinator = serve.get_deployment_handle("Coordinator", app_name=APP_NAME)
+    call = coordinator.options(method_name="settled", session_id=session)
+    return bool(call.remote(DEFAULT_TENANT, session).result())
+
+
 def test_a_rolling_sessions_last_turn_before_the_threshold_and_its_reply_roll_the_chunks_its_compaction_takes(
     service: Any, tokenizer: Any
 ) -> None:
@@ -153,6 +165,7 @@ def test_a_rolling_sessions_last_turn_before_the_threshold_and_its_reply_roll_th
     last = answer.model_extra["compaction"]
     assert last["status"] == "running" and 1300 < last["prompt_tokens"] <= 1700, last
     assert "reply_for" not in last  # the service's own
+    assert settled(session)  # the last run, then its follow-up with the reply (the ingress hands it on once sent)
     report = "Report: " + " ".join(f"module_{i}.py is fine at line {10 + i}." for i in range(30))  # over 225 tokens
     reply = {"role": "assistant", "content": answer.choices[0].message.content}
     over = [*grown, reply, {"role": "user", "content": report}]

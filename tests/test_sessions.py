@@ -496,11 +496,12 @@ def turns_around_the_threshold(
 
 
 async def rolled_to_the_threshold(
-    tokenizer: HFChatTokenizer, reply: str, then: str, handed_on: str | None = None
+    tokenizer: HFChatTokenizer, reply: str, then: str, handed_on: str | None = None, unfinished: bool = False
 ) -> tuple[TurnCompaction, TurnCompaction, int, int]:
     """A rolling session's last turn before the threshold (its run done; with `handed_on`, the reply the service
-    sent, handed to the session as the ingress does, and that run done too), then the turn past it with `reply`:
-    (its outcome, a blocking turn's of the same messages, prompts it sent, how many messages the last turn had)."""
+    sent, handed to the session as the ingress does, and that run done too, or still in flight, `unfinished`),
+    then the turn past it with `reply`: (its outcome, a blocking turn's of the same messages, prompts it sent, how
+    many messages the last turn had)."""
     replicas = FakeReplicas()
     _, sessions, history = await rolled(tokenizer, replicas)
     before, after, growth = turns_around_the_threshold(tokenizer, history, f"A: {notes(30)}", reply, then)
@@ -508,13 +509,17 @@ async def rolled_to_the_threshold(
     started = await sessions.turn(ahead, tokenizer)
     assert started.status == "running" and started.reply_for == len(before)
     assert "reply_for" not in started.model_dump()  # the service's own, never in a response
+    await until(lambda: not sessions.running())
     if handed_on is not None:
+        replicas.gate = asyncio.Event() if unfinished else None  # the engines hold what is sent from now on
         answer = Message(role="assistant", content=handed_on)
         sessions.replied(MODEL, ahead.tenant, ahead.session_id or "", len(before) - 1, answer)  # not this run's
         sessions.replied(MODEL, ahead.tenant, ahead.session_id or "", len(before), answer)
-    await until(lambda: not sessions.running())
+        await until(lambda: replicas.parked >= 1 if unfinished else not sessions.running())
     sent = sent_so_far(replicas)
     outcome = await sessions.turn(turn(tokenizer, after, **ROLLING).model_copy(update={"growth": growth}), tokenizer)
+    if replicas.gate is not None:
+        replicas.gate.set()
     alone = cached_coordinator(tokenizer, FakeReplicas())
     blocking = await SessionCompactions(alone.compact).turn(turn(tokenizer, after, **ROLLING), tokenizer)
     assert outcome.status == blocking.status == "applied" and outcome.stats is not None and blocking.stats is not None
@@ -557,6 +562,18 @@ async def test_the_reply_handed_on_once_sent_is_rolled_too_so_the_threshold_comp
     assert outcome.replaces_through == blocking.replaces_through == last + 1 and outcome.messages == blocking.messages
     assert outcome.compacted_prompt_tokens == blocking.compacted_prompt_tokens and borders(outcome) == borders(blocking)
     assert outcome.stats is not None and outcome.stats.reused_chunks == outcome.stats.chunks and sent == 0
+
+
+async def test_a_follow_up_still_in_flight_at_the_threshold_is_dropped_and_the_reply_stays_verbatim(
+    tokenizer: HFChatTokenizer,
+) -> None:
+    """The reply's follow-up has not finished when the turn past the threshold comes (a tool gap of a few hundredths
+    of a second): the turn does not wait for it, it keeps the reply verbatim and sends nothing."""
+    outcome, blocking, sent, last = await rolled_to_the_threshold(
+        tokenizer, "Noted.", f"B: {notes(30)}", "Noted.", unfinished=True
+    )
+    assert blocking.replaces_through == last + 1 and outcome.replaces_through == last and sent == 0
+    assert outcome.stats is not None and outcome.stats.reused_chunks == outcome.stats.chunks
 
 
 async def test_a_chunk_summarised_ahead_for_another_span_end_never_cuts_the_thresholds_span_differently(

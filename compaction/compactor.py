@@ -196,13 +196,18 @@ class Compactor:
         other = self._in_flight.get(key)
         if other is not None and (urgency(backend) > AGENT or urgency(other.backend) <= urgency(backend)):
             await asyncio.wait({other.done})
-            if not other.done.cancelled() and (other.keeps_fallbacks or other.done.result()[0].status not in FALLBACKS):
+            # A fallback is taken as it is from a run that keeps them, or from one raised to the agent's priority
+            # before it ended (then it was asked again at the agent's, as this one would).
+            kept = other.keeps_fallbacks or urgency(other.backend) <= AGENT
+            if not other.done.cancelled() and (kept or other.done.result()[0].status not in FALLBACKS):
                 return _as_reused(other.done.result(), k)
         mine = _InFlight(backend, asyncio.get_running_loop().create_future(), keep_fallbacks)
         self._in_flight[key] = mine
         try:
             stats, text = await self._summarise(backend, plan, k, route, both=self._fell_back.pop(key) is not None)
-            if keep_fallbacks or stats.status not in FALLBACKS:
+            # Raised to the agent's priority before it ended, a background chunk was asked again for the turn waiting
+            # for it, as that turn's own compaction would: its fallback is that compaction's, kept too.
+            if keep_fallbacks or stats.status not in FALLBACKS or urgency(backend) <= AGENT:
                 self.cache.put(plan.scope, plan.history.token_ids, prompt.chunk, prompt.view, text, stats, last)
             else:
                 self._fell_back.put(key, True)

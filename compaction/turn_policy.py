@@ -224,19 +224,17 @@ def decide(
     idle_s: float | None = None,
     force: bool = False,
     fresh: int | None = None,
-    running_last: bool = False,
 ) -> Action:
     """What this turn does (see the module docstring). `background`: the session's usable snapshot, if any;
     `growth`: the most one turn of the session grew its prompt lately (tokens); `idle_s`: its mean idle
     time between a reply and its next turn lately (None: unknown); `force`: the client asked for a compaction
     now (Codex's compaction_trigger), as if the prompt had passed compact_threshold; `fresh`: tokens the
-    prompt gained since the snapshot of the session's last background run (None: all of them); `running_last`:
-    that run is a rolling session's last run before the threshold."""
+    prompt gained since the snapshot of the session's last background run (None: all of them)."""
     if force:
         tokens = max(tokens, entry.compact_threshold + 1)
     if entry.apply_background == "rolling":
         fresh = tokens if fresh is None else fresh
-        return _rolling(tokens, entry, background, has_session, growth, idle_s, fresh, running_last)
+        return _rolling(tokens, entry, background, has_session, growth, idle_s, fresh)
     if background == "done" and (tokens > entry.compact_threshold or entry.apply_background == "ready"):
         return "apply"
     if tokens > entry.compact_threshold:
@@ -258,13 +256,14 @@ def last_before_threshold(tokens: int, growth: int, entry: ContextManagement) ->
 
 def _rolling(
     tokens: int, entry: ContextManagement, background: Background, has_session: bool, growth: int,
-    idle_s: float | None, fresh: int, running_last: bool,
+    idle_s: float | None, fresh: int,
 ) -> Action:  # fmt: skip
     """apply_background "rolling": past the threshold, compact as blocking would (after what the run in flight has
     left, at the agent's priority); below it, roll on once a whole new chunk has become final since the last run,
     and at every turn after which one more like it would pass the threshold, for an agent that leaves the engine
     any idle time (a quarter of background_min_idle_s): so every chunk the threshold's compaction takes is
-    summarised, or in flight, when it comes (a run still in flight then goes on beside it, `serving.background`).
+    summarised, or in flight, when it comes (a run still in flight, another last turn's too, then goes on beside
+    it, `serving.background`).
     An agent that sends its turns back to back gives such a run no gap to progress in; it would only slow that
     agent's turns."""
     if tokens > entry.compact_threshold:
@@ -272,7 +271,7 @@ def _rolling(
     if not has_session or entry.background_threshold is None:
         return "none"
     some_idle = idle_s is None or idle_s >= entry.background_min_idle_s * LAST_ROLL_IDLE_SHARE
-    again = background == "absent" or (fresh > 0 and not (background == "running" and running_last))
+    again = background == "absent" or fresh > 0
     if last_before_threshold(tokens, growth, entry) and again and some_idle:
         return "start_background"  # the last turn before it: its run is the threshold's own work
     if background == "running" or not wants_background(tokens, growth, entry, idle_s):

@@ -12,7 +12,7 @@ and waits only for what is left. A run is used only by a turn of the same model 
 When the prompt a turn is answered from already wants a background run (past background_threshold,
 or one more turn like this one would pass compact_threshold), that prompt is the next snapshot.
 
-With apply_background "rolling" a run (one per session at a time; the last turn's before the threshold starts beside
+With apply_background "rolling" a run (one per session at a time; a last turn's before the threshold starts beside
 one still in flight, joining its chunks) summarises chunks into the chunk cache, nothing spliced: the turn past the
 hard threshold compacts as blocking would, taking them or joining them (see `_job`).
 
@@ -113,10 +113,7 @@ class SessionCompactions:
         state: Background = running.state(digests, turn) if running else "absent"
         has_session = turn.session_id is not None
         fresh = turn.prompt_tokens - running.tokens if running is not None and state != "absent" else None
-        last = running is not None and running.last
-        action = decide(
-            turn.prompt_tokens, turn.entry, state, has_session, turn.growth, turn.idle_s, turn.force, fresh, last
-        )
+        action = decide(turn.prompt_tokens, turn.entry, state, has_session, turn.growth, turn.idle_s, turn.force, fresh)
         if action == "start_background" and (self._roll is not None or turn.entry.apply_background != "rolling"):
             if not self._room_for(turn):
                 full = f"no background compaction: this tenant has {self._cap(turn.tenant)} running already"
@@ -234,7 +231,7 @@ class SessionCompactions:
         warmed.add_done_callback(lambda _: retrieve(compaction))  # re-raised in _warmed: its frames again
         sessions, beside = self._sessions(turn), None
         if (stale := sessions.pop(session)) is not None:
-            if last and stale.rolling and not stale.last and stale.state(digests, turn) == "running":
+            if last and stale.rolling and stale.state(digests, turn) != "absent" and stale.busy():
                 beside = stale  # a run of this history still in flight: it goes on, its chunks joined by this one
             else:  # a history the client no longer has, or other options
                 stale.cancel()
@@ -244,7 +241,9 @@ class SessionCompactions:
             job if last else None,
         )  # fmt: skip
         if beside is not None:  # once it ends, only the chunk cache keeps what it made
-            beside.warmed.add_done_callback(lambda _: setattr(running, "beside", None))
+            beside.warmed.add_done_callback(lambda _: None if beside.busy() else setattr(running, "beside", None))
+            if beside.follow is not None:
+                beside.follow.add_done_callback(lambda _: None if beside.busy() else setattr(running, "beside", None))
         compaction.add_done_callback(lambda task: measure(running, task))
         sessions.put(session, running)
         self._shed()

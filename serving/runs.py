@@ -90,7 +90,7 @@ class Running:
         """Bytes it holds, with its follow-up and the run beside it while those run."""
         beside, follow = self.beside, self.follow
         extra = self.follow_bytes if follow is not None and not follow.done() else 0
-        return self.bytes + extra + (beside.bytes if beside is not None and not beside.warmed.done() else 0)
+        return self.bytes + extra + (beside.held() if beside is not None and beside.busy() else 0)
 
 
 def usable_by(turn: ChatTurn) -> tuple[str, str, str, str | None]:

@@ -178,10 +178,10 @@ def test_rolling_compacts_at_the_threshold_as_blocking_would_and_rolls_on_each_n
     assert decide(3700, rolling, "done", True, growth=400, fresh=0) == "none"
     assert decide(3300, rolling, "done", True, growth=400, fresh=100) == "none"
     assert decide(3500, rolling, "done", True, growth=400, fresh=100) == "start_background"  # 3500 + 1.5 x 400
-    # It starts beside a regular run still in flight (joining its chunks), never beside another last turn's.
+    # It starts beside a run still in flight (joining its chunks), another last turn's too: this turn's own history
+    # would otherwise be summarised at the threshold.
     assert decide(3700, rolling, "running", True, growth=400, fresh=100) == "start_background"
-    assert decide(3700, rolling, "running", True, growth=400, fresh=100, running_last=True) == "none"
-    assert decide(3700, rolling, "done", True, growth=400, fresh=100, running_last=True) == "start_background"
+    assert decide(3700, rolling, "running", True, growth=400, fresh=0) == "none"
     # An agent with short idle times rolls only there (that run is the threshold's own work); one back to back never.
     assert decide(2700, rolling, "done", True, growth=400, idle_s=0.2, fresh=600) == "none"
     assert decide(3700, rolling, "done", True, growth=400, idle_s=0.2, fresh=100) == "start_background"

@@ -648,6 +648,32 @@ async def test_a_chunk_whose_rolled_summary_fell_back_is_summarised_again_at_the
     assert all(c.status == "ok" and c.retries == 0 for c in outcome.stats.per_chunk)  # the first answers were good
 
 
+async def test_a_rolled_chunk_that_falls_back_after_the_threshold_raised_it_is_not_asked_a_third_time(
+    tokenizer: HFChatTokenizer,
+) -> None:
+    """The run's prompts are in flight when the threshold comes; raised to the agent's priority, a chunk's prompt
+    and its strict one both come back empty, so it falls back: the threshold's compaction takes that (as blocking
+    would have), instead of asking both again."""
+    gate = asyncio.Event()
+    replicas = FakeReplicas(gate=gate)
+    for backend in replicas.replicas.values():
+        backend.script = lambda request: ("", "stop")  # every summary empty: every chunk falls back
+    served = cached_coordinator(tokenizer, replicas)
+    sessions = SessionCompactions(served.compact, roll=served.roll)
+    history: list[dict[str, Any]] = [SYSTEM, *conversation(0, 16)]
+    assert (await sessions.turn(turn(tokenizer, history, **ROLLING), tokenizer)).status == "running"
+    await until(lambda: replicas.parked >= 1)
+    rolled = replicas.parked
+    history += [*conversation(16, 30), {"role": "user", "content": "Which trips are booked?"}]
+    past = asyncio.create_task(sessions.turn(turn(tokenizer, history, **ROLLING), tokenizer))
+    await until(lambda: replicas.parked >= 2 * rolled)  # re-sent at the agent's priority, still held
+    gate.set()
+    outcome = await past
+    assert outcome.status == "applied" and outcome.stats is not None
+    asked = [tuple(r.prompt_token_ids) for b in replicas.replicas.values() for r in b.requests]
+    assert len(asked) >= 2 * rolled and len(asked) == len(set(asked))  # the re-sent prompts, none asked again
+
+
 async def test_a_tool_using_agents_compaction_reads_what_its_turns_left_in_the_prefix_cache(
     tokenizer: HFChatTokenizer,
 ) -> None:

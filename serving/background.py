@@ -183,8 +183,8 @@ class SessionCompactions:
 
     def replied(self, model: str, tenant: str, session: str, messages: int, reply: Message) -> None:
         """The reply to the turn that started the session's last rolling run before its threshold (a history of
-        `messages` messages) was sent: once that run is done, a follow-up run summarises that history with the
-        reply, so the compaction at the threshold finds blocking's own last chunk (the reply in it) summarised."""
+        `messages` messages) was sent: a follow-up run summarises that history with the reply, so the compaction at
+        the threshold finds blocking's own last chunk (the reply in it) summarised or in flight."""
         running = self._runs[tenant].peek(session) if tenant in self._runs else None
         if self._roll is None or running is None or running.job is None or running.follow is not None:
             return
@@ -193,14 +193,8 @@ class SessionCompactions:
             return
         follow = job.model_copy(update={"messages": [*job.messages, lean_message(reply)]})
         running.follow_digest = reply_digest(reply)
-        roll, urgent, sent, first = self._roll, running.urgent, running.follow_sent, running.compaction
-
-        async def after_the_run() -> int:
-            """The run's own chunks first: a short tool gap goes to them, not to the reply's."""
-            await asyncio.wait({first})
-            return await roll(follow, urgent, sent)
-
-        running.follow = asyncio.create_task(lean(after_the_run), name=f"reply-{session}")
+        roll, urgent, sent = self._roll, running.urgent, running.follow_sent
+        running.follow = asyncio.create_task(lean(lambda: roll(follow, urgent, sent)), name=f"reply-{session}")
         running.follow.add_done_callback(retrieve)
         running.follow_bytes = len(follow.model_dump_json())
         running.followed.set()

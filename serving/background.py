@@ -241,9 +241,14 @@ class SessionCompactions:
             job if last else None,
         )  # fmt: skip
         if beside is not None:  # once it ends, only the chunk cache keeps what it made
-            beside.warmed.add_done_callback(lambda _: None if beside.busy() else setattr(running, "beside", None))
-            if beside.follow is not None:
-                beside.follow.add_done_callback(lambda _: None if beside.busy() else setattr(running, "beside", None))
+
+            def ended(_: asyncio.Task[Any]) -> None:
+                if not beside.busy():
+                    running.beside = None
+
+            for part in (beside.warmed, beside.follow):
+                if part is not None:
+                    part.add_done_callback(ended)
         compaction.add_done_callback(lambda task: measure(running, task))
         sessions.put(session, running)
         self._shed()

@@ -654,6 +654,11 @@ async def test_a_rolled_chunk_that_falls_back_after_the_threshold_raised_it_is_n
     """The run's prompts are in flight when the threshold comes; raised to the agent's priority, a chunk's prompt
     and its strict one both come back empty, so it falls back: the threshold's compaction takes that (as blocking
     would have), instead of asking both again."""
+    probe = FakeReplicas()  # the same run ungated: how many chunk prompts it sends (each asked, then strictly)
+    for backend in probe.replicas.values():
+        backend.script = lambda request: ("", "stop")
+    await rolled(tokenizer, probe)
+    first = sent_so_far(probe) // 2
     gate = asyncio.Event()
     replicas = FakeReplicas(gate=gate)
     for backend in replicas.replicas.values():
@@ -662,16 +667,15 @@ async def test_a_rolled_chunk_that_falls_back_after_the_threshold_raised_it_is_n
     sessions = SessionCompactions(served.compact, roll=served.roll)
     history: list[dict[str, Any]] = [SYSTEM, *conversation(0, 16)]
     assert (await sessions.turn(turn(tokenizer, history, **ROLLING), tokenizer)).status == "running"
-    await until(lambda: replicas.parked >= 1)
-    rolled = replicas.parked
+    await until(lambda: replicas.parked >= first)  # every one of its first prompts held
     history += [*conversation(16, 30), {"role": "user", "content": "Which trips are booked?"}]
     past = asyncio.create_task(sessions.turn(turn(tokenizer, history, **ROLLING), tokenizer))
-    await until(lambda: replicas.parked >= 2 * rolled)  # re-sent at the agent's priority, still held
+    await until(lambda: replicas.parked >= 2 * first)  # re-sent at the agent's priority, still held
     gate.set()
     outcome = await past
     assert outcome.status == "applied" and outcome.stats is not None
     asked = [tuple(r.prompt_token_ids) for b in replicas.replicas.values() for r in b.requests]
-    assert len(asked) >= 2 * rolled and len(asked) == len(set(asked))  # the re-sent prompts, none asked again
+    assert len(asked) >= 2 * first and len(asked) == len(set(asked))  # the re-sent prompts, none asked again
 
 
 async def test_a_tool_using_agents_compaction_reads_what_its_turns_left_in_the_prefix_cache(

@@ -41,7 +41,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 DEFAULT_TENANT = "default"
 TENANT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
@@ -334,7 +334,17 @@ class TenantGate:
             message = f"rate limited: {why}; retry after the Retry-After seconds"
             return await _refusal(429, "rate_limit_error", message, wait)(scope, receive, send)
         scope.setdefault("state", {})["tenant"] = tenant
+        held = True
+
+        async def sending(message: Message) -> None:
+            nonlocal held
+            if held and message["type"] == "http.response.body" and not message.get("more_body", False):
+                held = False  # freed before the last byte goes: a client that has it may send its next request
+                self.limiter.release(tenant.id)
+            await send(message)
+
         try:
-            await self.app(scope, receive, send)
+            await self.app(scope, receive, sending)
         finally:
-            self.limiter.release(tenant.id)
+            if held:
+                self.limiter.release(tenant.id)

@@ -182,3 +182,25 @@ def test_dedup_and_the_chunk_cache_are_per_tenant() -> None:
     job = CompactJob(model="m", messages=[], options=options, session_id="s")
     assert job.key() != job.model_copy(update={"tenant": "other"}).key()
     assert scope_of(options, "a") != scope_of(options, "b") and scope_of(options, "a") == scope_of(options, "a")
+
+
+async def test_a_tenants_slot_is_free_once_the_last_byte_of_its_answer_is_sent() -> None:
+    """Through Serve's proxy a client can hold a whole answer before the app returns: its next request must fit."""
+    seen: list[tuple[float, str] | None] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+        seen.append(gate.limiter.admit("a"))  # the client's next request, while the app still runs
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request"}
+
+    async def send(message: Any) -> None:
+        return None
+
+    config = CONFIG.model_copy(update={"overrides": {"a": TenantLimits(max_concurrent_requests=1)}})
+    gate = TenantGate(app, config, KeyTable([("a", "key-a")]))
+    scope = {"type": "http", "path": "/v1/models", "headers": [(b"authorization", b"Bearer key-a")]}
+    await gate(scope, receive, send)
+    assert seen == [None]

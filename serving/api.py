@@ -38,6 +38,7 @@ from serving.coordinator_calls import Suspects, call_coordinator
 from serving.errors import field_path, install_error_handlers
 from serving.middleware import BodyGuard
 from serving.ray_adapter import ChatRequest, CompletionRequest, http_host, openai_app, openai_routes
+from serving.replies import HandOn
 from serving.tenants import (
     KeyTable,
     TenancyConfig,
@@ -72,7 +73,6 @@ from serving.wire.responses import CompactResponsesRequest, ResponsesRequest
 from serving.wire.sse import chat_chunks
 
 logger = logging.getLogger(__name__)
-REPLY_WAIT_S = 2.0  # the most a turn waits for its session's previous reply to reach the coordinator
 REPLICA_BACKOFF_S = (0.5, 1.0, 2.0)  # a chat turn whose model replica died is sent again after these pauses
 DEADLINE_GRACE_S = 5.0
 
@@ -109,7 +109,7 @@ class CompactionIngress(OpenAiIngress):
         self._tokenizers: dict[str, HFChatTokenizer] = {}
         self._counters: dict[tuple[str, str], PromptCounter] = {}  # (tenant, model) -> its sessions' counts
         self._suspects = Suspects()  # jobs coordinators died running (serving.coordinator_calls)
-        self._replies: dict[str, asyncio.Task[Any]] = {}  # session -> its reply on its way to the coordinator
+        self._replies = HandOn(self._reply_to)  # replies on their way to their sessions' coordinators
 
     async def compact(self, body: CompactRequest, request: Request) -> ServiceResult:
         """Compact a history; the stats show where each chunk ran, what the cache served and the queue wait."""
@@ -239,7 +239,7 @@ class CompactionIngress(OpenAiIngress):
         window = self._window(model)
         tenant = tenant_of(request)
         counter = self._counter(model, tenant)
-        await self._handed(call.session)
+        await self._replies.handed(call.session)
         with call.naming_fields():
             return await prepare_turn(
                 call.body,
@@ -274,28 +274,15 @@ class CompactionIngress(OpenAiIngress):
 
         def sent(reply: dict[str, Any] | None) -> None:
             counter.replied(call.session)  # the agent is in its tools from then
-            if awaits is not None and reply is not None:
-                self._reply_to(model, tenant.id, call.session or "", awaits, reply)
+            if awaits is not None and reply is not None and call.session:
+                self._replies(call.session, model, tenant.id, awaits, reply)
 
         return when_sent(response, sent)
 
-    def _reply_to(self, model: str, tenant: str, session: str, messages: int, reply: dict[str, Any]) -> None:
-        """Hand a turn's reply to its session's coordinator, in the background (a head start on the next turn's
-        compaction, never an error of this turn's)."""
+    async def _reply_to(self, session: str, model: str, tenant: str, messages: int, reply: dict[str, Any]) -> None:
+        """Hand a turn's reply to its session's coordinator (serving.replies)."""
         args = (model, tenant, session, messages, reply)
-        task = asyncio.ensure_future(call_coordinator(self._coordinator, "chat_reply", *args, session_id=session))
-        self._replies[session] = task
-        task.add_done_callback(_handed_on)
-        task.add_done_callback(
-            lambda _: self._replies.pop(session, None) if self._replies.get(session) is task else None
-        )
-
-    async def _handed(self, session: str | None) -> None:
-        """The session's last reply is with its coordinator (a few milliseconds), so its next turn finds it there;
-        never longer than REPLY_WAIT_S."""
-        pending = self._replies.get(session) if session else None
-        if pending is not None:
-            await asyncio.wait({pending}, timeout=REPLY_WAIT_S)
+        await call_coordinator(self._coordinator, "chat_reply", *args, session_id=session)
 
     async def _chat_on_a_live_replica(self, chat: ChatRequest, request: Request) -> Response:
         """ray.serve.llm's chat, sent again when the replica died before its first token (a turn has no side
@@ -362,11 +349,6 @@ def _for_replica(request: Request, session: str | None = None) -> Request:
     headers = [(k, v) for k, v in request.scope["headers"] if k.lower() not in dropped]
     session_header = [(SESSION_HEADER.encode(), session.encode())] if session else []
     return Request({**request.scope, "headers": [*headers, *session_header]}, request.receive)
-
-
-def _handed_on(task: asyncio.Task[Any]) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        logger.debug("a reply was not handed to its coordinator: %r", task.exception())
 
 
 async def refuse_websocket(websocket: WebSocket) -> None:

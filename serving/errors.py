@@ -19,6 +19,8 @@ offending field (Anthropic's shape on its routes, `serving.wire.errors`):
     any other HTTP error FastAPI raises (e.g. a body nested too deeply to parse)  its status, same shape
     an exception inside a model replica (ray.serve.llm's OpenAI endpoints): 400 when the model could
     not read the messages (KeyError/ValueError/TypeError from its chat template), else 503; never Ray's text
+    a request the engine refused (ray.serve.llm's OpenAIHTTPException, vLLM's client errors): its 4xx
+    with the engine's own sentence and the field it names, never the replica's internals; else a 503
     the core broke its own contract (InvalidOutput: a bug)  500
 
 Error bodies carry our own message, never an exception's text (that goes to the log); every answer
@@ -29,6 +31,7 @@ lines name.
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
@@ -193,6 +196,44 @@ async def on_replica_error(request: Request, exc: Exception) -> JSONResponse:
     )
 
 
+# ray.serve.llm wraps the engine's refusal as "Message: <sentence> (Request ID: ...), Internal exception: ...";
+# vLLM's sentence may start with its exception's qualified name and end with "(parameter=<field>, value=...)".
+_ENGINE_SENTENCE = re.compile(r"^Message: (?P<sentence>.*?) \(Request ID: [^)]*\)", re.DOTALL)
+_QUALIFIED = re.compile(r"^(?:[A-Za-z_]\w*\.)+[A-Za-z_]\w*: ")
+_PARAMETER = re.compile(r"\s*\(parameter=(?P<param>[\w.\[\]]+)(?:, value=[^)]*)?\)")
+ENGINE_SENTENCE_CHARS = 300
+
+
+def engine_refusal(text: str) -> tuple[str, str | None]:
+    """The engine's own sentence and the field it names, from the text ray.serve.llm wrapped it in."""
+    found = _ENGINE_SENTENCE.match(text)
+    sentence = _QUALIFIED.sub("", found["sentence"] if found else text.split(", Internal exception", 1)[0])
+    parameter = _PARAMETER.search(sentence)
+    sentence = _PARAMETER.sub("", sentence).strip()[:ENGINE_SENTENCE_CHARS]
+    return sentence or "the model refused this request", parameter["param"] if parameter else None
+
+
+async def on_engine_error(request: Request, exc: Exception) -> JSONResponse:
+    """A request the model's engine refused (ray.serve.llm's OpenAIHTTPException from a replica, or vLLM's own
+    client error raised where the request is read), answered in our shape; the engine's whole text goes to the
+    log."""
+    from vllm.exceptions import VLLMClientError, VLLMNotFoundError
+
+    if isinstance(exc, VLLMClientError):
+        status = 404 if isinstance(exc, VLLMNotFoundError) else 400
+        text, named = str(exc.args[0] if exc.args else exc), getattr(exc, "parameter", None)
+    else:
+        status, text, named = int(getattr(exc, "status_code", 500)), str(getattr(exc, "message", "")), None
+    logger.info("the engine refused a request on %s (request %s): %s", request.url.path, _request_id(request), text)
+    if not 400 <= status < 500:
+        logger.warning("engine error %d on %s (request %s)", status, request.url.path, _request_id(request))
+        return error_response(503, "service_unavailable", "the model failed on this request; retry shortly", None, 5)
+    sentence, param = engine_refusal(text)
+    param = named if isinstance(named, str) else param
+    kind = "not_found_error" if status == 404 else "invalid_request_error"
+    return error_response(status, kind, f"{param}: {sentence}" if param else sentence, param)
+
+
 async def on_error(request: Request, exc: Exception) -> JSONResponse:
     """A failure of the hierarchy, answered by its row of the table."""
     answer = answer_of(exc)
@@ -222,11 +263,15 @@ def _request_id(request: Request) -> str | None:
 def install_error_handlers(app: FastAPI) -> None:
     """Every failure of `app` answered through the table above."""
     from ray.exceptions import RayTaskError
+    from ray.llm._internal.serve.core.configs.openai_api_models import OpenAIHTTPException
     from ray.serve.exceptions import BackPressureError
+    from vllm.exceptions import VLLMError
 
     app.add_exception_handler(RequestValidationError, on_validation_error)
     app.add_exception_handler(HTTPException, on_http_error)
     app.add_exception_handler(RayTaskError, on_replica_error)
     app.add_exception_handler(BackPressureError, on_back_pressure)
+    app.add_exception_handler(OpenAIHTTPException, on_engine_error)
+    app.add_exception_handler(VLLMError, on_engine_error)
     for kind in TABLE:
         app.add_exception_handler(kind, on_error)

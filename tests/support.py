@@ -27,7 +27,7 @@ def free_port() -> int:
 SERVICE_KEY = "sk-test-default-0123456789"
 TENANT_KEYS = {
     "tenant-a": "sk-test-a-0123456789",
-    "tenant-b": "sk-test-b-0123456789",
+    "tenant-b": "sk-test-b#0123456789",  # a "#" inside a key is part of it (the keys file has comment lines)
     "limited": "sk-test-l-0123456789",
     "narrow": "sk-test-n-0123456789",
 }

@@ -10,7 +10,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from compaction.errors import BackendError, DeadlineExceeded, InvalidInput, Overloaded, UnknownModel
-from serving.errors import field_path, install_error_handlers, on_replica_error
+from serving.errors import engine_refusal, field_path, install_error_handlers, on_engine_error, on_replica_error
 from serving.middleware import BodyGuard
 from serving.tenants import TenancyConfig, TenantGate
 from serving.wire.compact import CompactRequest
@@ -212,3 +212,60 @@ def test_errors_inside_a_model_replica_never_leak_rays_text(cause: Exception, st
     response = TestClient(api).post("/v1/chat/completions", json={})
     assert response.status_code == status and needle in response.json()["error"]["message"]
     assert "ray::" not in response.text and "Traceback" not in response.text
+
+
+# What ray.serve.llm's replica answers for requests the engine refuses (seen through the real service).
+ENGINE_TEXTS = [
+    ("Message: Requested sample logprobs of 50, which is greater than max allowed: 20 (parameter=logprobs, value=50) "
+     "(Request ID: 65a9), Internal exception: ray.llm._internal.serve.core.configs.openai_api_models."
+     "OpenAIHTTPException (Request ID: 65a9), original exception: ",
+     "logprobs", "Requested sample logprobs of 50, which is greater than max allowed: 20"),
+    ("Message: vllm.exceptions.VLLMValidationError: When using `tool_choice`, `tools` must be set. "
+     "(parameter=tool_choice) (Request ID: f2af), Internal exception: vllm.exceptions.VLLMValidationError: When "
+     "using `tool_choice`, `tools` must be set. (parameter=tool_choice) (Request ID: f2af), original exception: x",
+     "tool_choice", "When using `tool_choice`, `tools` must be set."),
+    ("Message: Grammar error: Invalid type: bogus (Request ID: c8bb), Internal exception: ray.llm._internal.serve."
+     "core.configs.openai_api_models.OpenAIHTTPException (Request ID: c8bb), original exception: ",
+     None, "Grammar error: Invalid type: bogus"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("text", "param", "sentence"), ENGINE_TEXTS)
+def test_an_engine_refusal_keeps_its_sentence_and_field_only(text: str, param: str | None, sentence: str) -> None:
+    assert engine_refusal(text) == (sentence, param)
+
+
+@pytest.mark.parametrize(("status", "expected"), [(400, 400), (404, 404), (500, 503)])
+def test_an_engine_refusal_is_answered_in_our_shape(status: int, expected: int) -> None:
+    from ray.llm._internal.serve.core.configs.openai_api_models import OpenAIHTTPException
+
+    api = app()
+    api.add_exception_handler(OpenAIHTTPException, on_engine_error)
+
+    @api.post("/v1/chat/completions")
+    async def chat() -> None:
+        raise OpenAIHTTPException(status_code=status, message=ENGINE_TEXTS[1][0], type="OpenAIHTTPException")
+
+    response = TestClient(api).post("/v1/chat/completions", json={})
+    error = response.json()["error"]
+    assert response.status_code == expected and "Internal" not in response.text and "vllm." not in response.text
+    assert error["type"] in ("invalid_request_error", "not_found_error", "service_unavailable")
+    if expected < 500:
+        assert error["param"] == "tool_choice" and error["message"].startswith("tool_choice: When using")
+
+
+def test_vllms_own_refusal_names_its_parameter_in_our_shape() -> None:
+    from vllm.exceptions import VLLMValidationError
+
+    api = app()
+    api.add_exception_handler(VLLMValidationError, on_engine_error)
+
+    @api.post("/v1/chat/completions")
+    async def chat() -> None:
+        raise VLLMValidationError("When using `tool_choice`, `tools` must be set.", parameter="tool_choice")
+
+    response = TestClient(api).post("/v1/chat/completions", json={})
+    assert response.status_code == 400 and response.json()["error"] == {
+        "message": "tool_choice: When using `tool_choice`, `tools` must be set.",
+        "type": "invalid_request_error", "param": "tool_choice", "code": 400,
+    }  # fmt: skip

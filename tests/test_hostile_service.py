@@ -38,6 +38,30 @@ def test_a_client_cannot_set_the_engines_priority_or_internals(client: httpx.Cli
     assert refused.json()["error"]["param"] == named and "set by the service" in refused.text
 
 
+@pytest.mark.parametrize(
+    ("path", "extra", "field"),
+    [
+        ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 50}, "logprobs"),
+        ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
+        ("/v1/chat/completions", {"logit_bias": {"99999999": 5}}, "logit_bias"),
+        ("/v1/completions", {"logprobs": 50}, "logprobs"),
+    ],
+)
+def test_a_request_the_engine_refuses_is_answered_in_our_shape_without_its_internals(
+    client: httpx.Client, path: str, extra: dict[str, Any], field: str
+) -> None:
+    """Before, such answers carried "Internal exception: ray.llm._internal...OpenAIHTTPException" and vLLM's class
+    names, typed "OpenAIHTTPException"."""
+    body = {"model": SERVED_MODEL, "max_tokens": 4, **extra}
+    body.update({"messages": SHORT} if path == "/v1/chat/completions" else {"prompt": "Hi"})
+    refused = client.post(path, json=body)
+    error = refused.json()["error"]
+    assert refused.status_code == 400 and error["type"] == "invalid_request_error", refused.text
+    assert error["param"] == field and error["message"].startswith(f"{field}: "), refused.text
+    assert not any(leak in refused.text for leak in ("Internal", "ray.", "vllm.", "Request ID", "Exception"))
+    assert refused.headers.get("x-request-id")
+
+
 def test_json_nested_deep_is_a_400_naming_the_body(client: httpx.Client) -> None:
     message = {"role": "user", "content": "x", "x": "NEST"}
     deep = json.dumps({"model": SERVED_MODEL, "messages": [message]}).replace('"NEST"', "[" * 300 + "]" * 300)
@@ -131,7 +155,28 @@ def test_every_hostile_request_of_the_soak_is_refused_naming_its_field(client: h
     from jobs.bench.hostile import hostile_requests
 
     named = {"bomb": "input[0].encrypted_content", "deep-json": "body", "priority": "priority",
-             "request-id": "request_id", "null-block": "encrypted_content"}  # fmt: skip
+             "request-id": "request_id", "null-block": "encrypted_content", "engine-refusal": "logprobs"}  # fmt: skip
     for kind, path, request in hostile_requests():
         refused = client.post(path, **request)
         assert 400 <= refused.status_code < 500 and named[kind] in refused.text, (kind, refused.text)
+        assert "Internal" not in refused.text and "Exception" not in refused.text, (kind, refused.text)
+
+
+def test_failing_background_runs_leave_the_coordinators_memory_as_it_was(service: Any) -> None:
+    """Sixteen turns whose background run fails in planning, each carrying about 40 KiB of extra fields inside its
+    content parts: a failed run keeps its failure only, so the coordinators' RSS grows by far less than one such
+    request held in the coordinator used to (24 of them grew the two coordinators by about 800 MiB)."""
+    import ray
+
+    from jobs.bench.hostile import coordinators_rss, failing_runs
+    from tests.support import SERVICE_KEY
+
+    node = ray.get_runtime_context().get_node_id()
+    asyncio.run(failing_runs(service.url, 4, SERVICE_KEY, tag="warm"))  # the paths' first allocations
+    before = coordinators_rss(node)
+    started = asyncio.run(failing_runs(service.url, 16, SERVICE_KEY, tag="padded"))
+    ended = asyncio.run(failing_runs(service.url, 16, SERVICE_KEY, tag="padded"))  # each run has failed by now
+    after = coordinators_rss(node)
+    assert started == {"running": 16} and ended == {"none": 16}, (started, ended)
+    print(f"coordinators' RSS {before / 2**20:.0f} -> {after / 2**20:.0f} MiB")
+    assert before > 0 and after - before < 16 * 2**20

@@ -3,7 +3,6 @@ replaced by fakes (the chat path's turn logic runs for real on fake replicas).""
 
 from __future__ import annotations
 
-import asyncio
 import json
 from typing import Any
 
@@ -21,6 +20,7 @@ from compaction.tokenizer import ChatTokenizer
 from serving.api import CompactionIngress
 from serving.coordinator import CompactJob, ServiceResult
 from serving.ray_adapter import ChatRequest
+from serving.replies import HandOn
 from serving.tenants import DEFAULT_TENANT, Tenant
 from serving.turns import ChatTurn, TurnCompaction
 from serving.wire.messages import CountTokensRequest, MessagesRequest
@@ -53,10 +53,10 @@ class Ingress(CompactionIngress):
         self._tokenizers = {MODEL: tokenizer}
         self._counters = {(DEFAULT_TENANT, MODEL): self.path.counter}
         self.turns: list[ChatTurn] = []
-        self._replies: dict[str, asyncio.Task[Any]] = {}
+        self._replies = HandOn(self._reply_to)
         self.replies: list[tuple[str, str, str, int, dict[str, Any]]] = []  # what went to the coordinator
 
-    def _reply_to(self, model: str, tenant: str, session: str, messages: int, reply: dict[str, Any]) -> None:
+    async def _reply_to(self, session: str, model: str, tenant: str, messages: int, reply: dict[str, Any]) -> None:
         self.replies.append((model, tenant, session, messages, reply))
         self.path.sessions.replied(model, tenant, session, messages, Message.model_validate(reply))
 

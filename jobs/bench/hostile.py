@@ -61,6 +61,8 @@ def hostile_requests() -> list[tuple[str, str, dict[str, Any]]]:
         ("deep-json", "/v1/compact", {"content": deep.encode(), "headers": {"content-type": "application/json"}}),
         ("priority", "/v1/chat/completions", {"json": {"model": MODEL, "messages": short, "priority": -100}}),
         ("request-id", "/v1/chat/completions", {"json": {"model": MODEL, "messages": short, "request_id": "x"}}),
+        ("engine-refusal", "/v1/chat/completions",
+         {"json": {"model": MODEL, "messages": short, "logprobs": True, "top_logprobs": 50}}),
         ("null-block", "/v1/messages", {"json": {"model": MODEL, "max_tokens": 8, "messages": [
             *short, {"role": "assistant", "content": [emptied]}, {"role": "user", "content": "Go on."}]}}),
     ]  # fmt: skip
@@ -132,24 +134,28 @@ async def phase(url: str, neighbour: str, seconds: float) -> tuple[list[float], 
     return turns, refused
 
 
-def coordinators_rss() -> int:
-    return sum(rss_bytes(p.pid) or 0 for p in service_processes() if p.role == "coordinator")
+def coordinators_rss(node_id: str | None = None) -> int:
+    """The coordinators' RSS (bytes), of every service on this machine or of the one on Ray node `node_id`."""
+    found = service_processes()
+    return sum(rss_bytes(p.pid) or 0 for p in found if p.role == "coordinator" and node_id in (None, p.node_id))
 
 
-async def failing_runs(url: str, count: int) -> Counter[str]:
+async def failing_runs(url: str, count: int, key: str = KEYS["hostile"], tag: str = "fail") -> Counter[str]:
     """Chat turns over background_threshold whose background run fails in planning (more chunks than allowed),
     each message carrying about 1 KiB of extra fields inside its content part; the turns' compaction statuses.
-    Sent again, the same turns say how each run ended: "none" (failed), "running" or "applied" (it did not fail)."""
+    Sent again (the same `tag`), the same turns say how each run ended: "none" (failed), "running" or "applied"
+    (it did not fail)."""
     pad = {"cache_control": {"type": "ephemeral", "pad": "x" * 1024}}
     entry = {"type": "compaction", "compact_threshold": 4000, "background_threshold": 200, "chunk_tokens": 4}
     statuses: Counter[str] = Counter()
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
         for n in range(count):
             messages = [
-                {"role": "user", "content": [{"type": "text", "text": line(i, f"fail{n}"), **pad}]} for i in range(40)
+                {"role": "user", "content": [{"type": "text", "text": line(i, f"{tag}{n}"), **pad}]} for i in range(40)
             ]
             body = {"model": MODEL, "messages": messages, "max_tokens": 1, "context_management": [entry]}
-            response = await client.post("/v1/chat/completions", json=body, headers=headers("hostile", f"fail-{n}"))
+            session = {"x-session-id": f"{tag}-{n}", "Authorization": f"Bearer {key}"}
+            response = await client.post("/v1/chat/completions", json=body, headers=session)
             response.raise_for_status()
             statuses[response.json()["compaction"]["status"]] += 1
             if (n + 1) % 25 == 0:

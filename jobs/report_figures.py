@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import matplotlib
 
@@ -31,10 +32,7 @@ def plot_retention(table: pd.DataFrame, path: Path) -> None:
         axis.set(title=dataset, xlabel="summary volume (tokens per compaction)", ylabel="exact recall")
         axis.set_ylim(-0.05, 1.05)
         axis.grid(alpha=0.3)
-    fig.suptitle("Retention: recall of planted facts vs summary volume, per strategy and domain")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(fig, path, "Retention: recall of planted facts vs summary volume, per strategy and domain")
 
 
 def plot_output_length(table: pd.DataFrame, path: Path) -> None:
@@ -45,9 +43,7 @@ def plot_output_length(table: pd.DataFrame, path: Path) -> None:
     ax.set(xlabel="input tokens compacted", ylabel="summary output tokens", title="(a) Output tokens vs input length")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def plot_tau(table: pd.DataFrame, path: Path) -> None:
@@ -61,9 +57,7 @@ def plot_tau(table: pd.DataFrame, path: Path) -> None:
     count_axis.set_ylabel("compactions (dotted)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="upper right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def plot_chat_agent(table: pd.DataFrame, path: Path) -> None:
@@ -78,10 +72,7 @@ def plot_chat_agent(table: pd.DataFrame, path: Path) -> None:
         ax.set(ylabel="seconds", title=f"{dataset} τ={tau} ({model})")
         ax.tick_params(axis="x", labelsize=7)
         ax.legend(fontsize=8)
-    fig.suptitle("The agent through /v1/chat/completions: end-to-end time and its stall, per compaction mode")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(fig, path, "The agent through /v1/chat/completions: end-to-end time and its stall, per compaction mode")
 
 
 def plot_chunks(table: pd.DataFrame, path: Path) -> None:
@@ -101,7 +92,12 @@ def plot_chunks(table: pd.DataFrame, path: Path) -> None:
         axis.set_ylim(bottom=0)
         axis.grid(alpha=0.3)
         axis.legend(fontsize=7, loc="best")
-    fig.suptitle("(d) Parallel vs sequential over chunk sizes (matched decode volume)")
+    _save(fig, path, "(d) Parallel vs sequential over chunk sizes (matched decode volume)")
+
+
+def _save(fig: Any, path: Path, title: str | None = None) -> None:
+    if title:
+        fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -36,6 +36,7 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
+from compaction.archive import ArchivedChunk, archived_chunks, marker
 from compaction.checks.grounding import Source, salient_tokens
 from compaction.checks.quality import drop_seen
 from compaction.checks.validity import check_output
@@ -257,6 +258,9 @@ def merge(
     stats = [s for s, _ in per_chunk]
     seen: list[tuple[str, ...]] = []  # no sentence of the summary repeats another, across chunks too
     texts = [drop_seen(text, seen) for _, text in per_chunk]
+    archived = _archived(plan, tokenizer) if plan.options.archive else []
+    if archived:  # each chunk's handle after its summary
+        texts = [(text + marker(chunk.handle)).strip() for text, chunk in zip(texts, archived, strict=True)]
     summary = "\n\n".join(text for text in texts if text)
     # Kept once: not again when the user's words hold it marked (a later compaction finds it there).
     marked = [t for t in plan.marked if not any(wrapped(t) in said for said in words.texts)]
@@ -311,6 +315,12 @@ def merge(
             ],
             extractive_fallback_chunks=[s.index for s in stats if s.status == "extractive_fallback"],
             replicas=[s.replica for s in stats],
+            archived_handles=[chunk.handle for chunk in archived],
             per_chunk=stats,
         ),
+        archived=archived,
     )
+
+
+def _archived(plan: CompactionPlan, tokenizer: ChatTokenizer) -> list[ArchivedChunk]:
+    return archived_chunks(plan.history.token_ids, [(c.start, c.end) for c in plan.chunks], tokenizer)

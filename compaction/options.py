@@ -130,6 +130,12 @@ class CompactionOptions(BaseModel):
     retry_bad_summaries: bool = Field(
         True, description="Retry an empty, runaway or ungrounded chunk summary once with a stricter tail."
     )
+    archive: bool = Field(
+        False,
+        description="Archive each summarised chunk verbatim (per tenant, where the service has an archive) and write "
+        "its handle after its summary ([archived: arc-…]); the agent recalls it through the service's MCP endpoint "
+        "(recall, search_history). The stats list the handles stored.",
+    )
     fixed_output_tokens: bool = Field(
         False,
         description="Benchmarks only: every summary emits exactly its budget, to compare at matched decode volume.",

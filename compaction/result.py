@@ -6,6 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from compaction.archive import ArchivedChunk
 from compaction.checks.quality import Verdict
 from compaction.history import Message
 
@@ -116,6 +117,10 @@ class CompactionStats(BaseModel):
         default_factory=list, description="Chunks whose kept text is the extractive fallback."
     )
     replicas: list[str | None] = Field(description="Replica of each chunk, in chunk order.")
+    archived_handles: list[str] = Field(
+        default_factory=list, description="With archive: the handles of the chunks stored, in chunk order."
+    )
+    archive_note: str | None = Field(None, description="With archive: why the chunks were not stored, if not.")
     per_chunk: list[ChunkStats]
 
 
@@ -132,3 +137,6 @@ class CompactionResult(BaseModel):
         "messages == input[:kept_head] + [summary] + input[replaces_through:].",
     )
     stats: CompactionStats
+    archived: list[ArchivedChunk] = Field(
+        default_factory=list, exclude=True, description="With archive: each chunk's text, for the store (not sent)."
+    )

@@ -23,6 +23,7 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.handle import DeploymentHandle
 from ray.serve.llm.ingress import OpenAiIngress, make_fastapi_ingress
 from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
 
 from compaction.errors import (
     BackendError,
@@ -33,11 +34,13 @@ from compaction.errors import (
 from compaction.history import parse_messages
 from compaction.partition import PlanLimits
 from compaction.tokenizer import HFChatTokenizer
+from serving.archive import ArchiveConfig
 from serving.coordinator import CompactJob, ServiceResult
 from serving.coordinator_calls import Suspects, call_coordinator
 from serving.errors import field_path, install_error_handlers
 from serving.middleware import BodyGuard
 from serving.ray_adapter import ChatRequest, CompletionRequest, http_host, openai_app, openai_routes
+from serving.recall import RecallEndpoint
 from serving.replies import HandOn
 from serving.tenants import (
     KeyTable,
@@ -378,10 +381,13 @@ def compaction_routes() -> dict[str, Any]:
 
 
 def make_ingress(
-    max_request_bytes: int, tenancy: TenancyConfig | None = None, cors_origins: Sequence[str] = ()
+    max_request_bytes: int,
+    tenancy: TenancyConfig | None = None,
+    cors_origins: Sequence[str] = (),
+    archive: ArchiveConfig | None = None,
 ) -> type:
     """The ingress class, bound to a FastAPI app with the error table, size limit, tenants and auth (the keys
-    are read where the app runs), and CORS only for `cors_origins`."""
+    are read where the app runs), CORS only for `cors_origins`, and the archive's MCP endpoint at /mcp."""
     app: FastAPI = openai_app(
         "Parallel context compaction",
         "POST /v1/compact compacts an agent's history with parallel chunk summaries; the OpenAI "
@@ -393,4 +399,5 @@ def make_ingress(
     app.add_middleware(AnthropicErrors)
     allow_origins(app, cors_origins)  # outermost: a preflight carries no key
     app.add_api_websocket_route("/v1/responses", refuse_websocket)
+    app.router.routes.append(Route("/mcp", RecallEndpoint(archive or ArchiveConfig())))
     return make_fastapi_ingress(CompactionIngress, endpoint_map={**openai_routes(), **compaction_routes()}, app=app)

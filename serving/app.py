@@ -33,6 +33,7 @@ from compaction.history import Message
 from compaction.tokenizer import HFChatTokenizer
 from compaction.turn_policy import parse_context_management
 from serving.api import make_ingress
+from serving.archive import Archive, ArchiveConfig
 from serving.background import DEFAULT_MAX_BYTES as SESSION_BYTES
 from serving.background import SessionCompactions
 from serving.coordinator import AdmissionConfig, CompactJob, Coordinator, ModelRuntime, ServiceResult
@@ -112,6 +113,11 @@ class AppArgs(BaseModel):
         "a turn starts none (its session compacts blocking at its threshold), so one tenant's flood of cheap "
         "turns cannot hold the admission every other tenant's compactions need. Never more than the tenant's "
         "own max_concurrent_requests.",
+    )
+    archive: ArchiveConfig = Field(
+        default_factory=ArchiveConfig,
+        description="Where compactions sent with archive: true keep their chunks verbatim, per tenant, for the "
+        "agents' recall through /mcp (serving.archive, serving.recall).",
     )
     chunk_cache_bytes: int = Field(
         CHUNK_CACHE_BYTES,
@@ -221,7 +227,7 @@ class CoordinatorDeployment:
             )
             self._backends[spec.name] = backend
         name = serve.get_replica_context().replica_id.unique_id
-        self._coordinator = Coordinator(runtimes, args.admission, RayMetrics(), name)
+        self._coordinator = Coordinator(runtimes, args.admission, RayMetrics(), name, Archive(args.archive))
         coordinator = self._coordinator
         self._sessions = SessionCompactions(
             coordinator.compact,
@@ -347,7 +353,7 @@ def build_app(args: dict[str, Any]) -> Application:
         .bind(llms, specs, opts)
     )
     options = OpenAiIngress.get_deployment_options(list(configs.values()))
-    ingress = make_ingress(opts.max_request_bytes, opts.tenancy, opts.cors_origins)
+    ingress = make_ingress(opts.max_request_bytes, opts.tenancy, opts.cors_origins, opts.archive)
     actor = actor_options()  # no key in it: the ingress reads its keys from its own environment or file
     deployment = as_deployment(ingress).options(name="CompactionIngress", ray_actor_options=actor, **options)
     return deployment.bind(

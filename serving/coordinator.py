@@ -31,6 +31,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from compaction.archive import without_markers
 from compaction.backend import Backend, Generation, GenerationRequest
 from compaction.compactor import Compactor, request_id
 from compaction.errors import (
@@ -44,6 +45,7 @@ from compaction.pacing import BACKGROUND, NEXT, PRIORITIES, Escalation, Priority
 from compaction.plan import CompactionPlan
 from compaction.result import CompactionResult, CompactionStats
 from serving.admission import Gate, Limits, SharedRuns
+from serving.archive import Archive, stored
 from serving.errors import outcome_of
 from serving.metrics import Outcome, OutcomeKind, Sink
 from serving.routing import (
@@ -195,8 +197,10 @@ class Coordinator:
         admission: AdmissionConfig | None = None,
         metrics: Sink | None = None,
         name: str | None = None,
+        archive: Archive | None = None,
     ) -> None:
         self.models = dict(models)
+        self.archive = archive  # where compactions with archive: true keep their chunks (serving.archive)
         self.name = name  # this coordinator replica, named in the stats
         self.admission = admission or AdmissionConfig()
         self.metrics = metrics
@@ -331,9 +335,25 @@ class Coordinator:
         recorder = Recorder(Salted(compactor.backend, job.cache_salt))
         backend = Escalation(recorder, PRIORITIES[job.priority], urgent)
         result = await compactor.run(plan, routes=placement.routes(), backend=backend)
+        if plan.options.archive:
+            result = await self._archived(result, job)
         out = self._result(plan, placement, result, recorder, job.session_id)
         update = {"coordinator": self.name, "priority": job.priority, "escalated_prompts": backend.escalated}
         return out.model_copy(update={"stats": out.stats.model_copy(update=update)})
+
+    async def _archived(self, result: CompactionResult, job: CompactJob) -> CompactionResult:
+        """The result once its chunks are stored; if they cannot be, without the handles, saying why."""
+        note = await asyncio.to_thread(stored, self.archive, job.tenant, job.session_id, result.archived)
+        if note is None:
+            return result
+        at = result.kept_head  # the summary message
+        head = result.messages[at]
+        if isinstance(head.content, str):
+            head = head.model_copy(update={"content": without_markers(head.content)})
+        messages = [*result.messages[:at], head, *result.messages[at + 1 :]]
+        stats = result.stats.model_copy(update={"archived_handles": [], "archive_note": note})
+        summary = without_markers(result.summary)
+        return result.model_copy(update={"messages": messages, "summary": summary, "stats": stats})
 
     def _report(
         self, job: CompactJob, outcome: OutcomeKind, stats: ServiceStats | None = None, joined: bool = False

@@ -109,6 +109,12 @@ SPECS: tuple[MetricSpec, ...] = (
         SECONDS,
     ),
     MetricSpec(
+        "compaction_recall_requests",
+        "counter",
+        "Calls to the archive's MCP endpoint (/mcp) by what was asked: tools/list, recall, search_history.",
+        ("method",),
+    ),
+    MetricSpec(
         "compaction_reused_chunks",
         "counter",
         "Chunk summaries served from the chunk-summary cache instead of being generated again.",
@@ -146,6 +152,11 @@ def record_stall(model: str, seconds: float) -> None:
 def record_reused_chunks(model: str, count: int) -> None:
     """`count` chunk summaries came from the chunk-summary cache."""
     _inc("compaction_reused_chunks", count, model=model)
+
+
+def record_recall(method: str) -> None:
+    """An agent asked the archive's MCP endpoint for `method`."""
+    _inc("compaction_recall_requests", 1, method=method)
 
 
 def record_coordinator_retry(method: str) -> None:

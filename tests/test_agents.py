@@ -231,3 +231,50 @@ def _decoded(encoding: str) -> Any:
     from serving.wire.codec import decode
 
     return [m.model_dump() for m in decode(encoding, "item")]
+
+
+def test_codex_and_claude_code_connect_to_the_archives_mcp_endpoint_and_list_its_tools(
+    service: Any, metrics_url: str, tmp_path: Path
+) -> None:
+    """Each CLI, configured with its own `mcp add` command (docs/agents.md), connects to /mcp with the tenant's key
+    and lists its tools: the service counts each tools/list (`compaction_recall_requests`)."""
+    from tests.support import scrape_sum
+    from tests.test_production import held_still, wait_for
+
+    missing = [name for name in ("codex", "claude") if not (BIN / name).exists()]
+    if missing:
+        pytest.skip(f"{missing} not installed: `make agents` installs the pinned agent CLIs with npm into .agents/")
+
+    def listed() -> float:
+        return scrape_sum(metrics_url, "ray_compaction_recall_requests_total", method="tools/list")
+
+    work = tmp_path / "work"
+    work.mkdir()
+    env = {"HOME": str(tmp_path), "DISABLE_AUTOUPDATER": "1", "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1"}
+    claude = str(BIN / "claude")
+    header = f"Authorization: Bearer {SERVICE_KEY}"
+    added = run([claude, "mcp", "add", "--transport", "http", "archive", f"{service.url}/mcp", "--header", header],
+                work, env)  # fmt: skip
+    assert added.returncode == 0, added.stderr
+    before = listed()
+    health = run([claude, "mcp", "list"], work, env)
+    assert health.returncode == 0 and "archive" in health.stdout and "Connected" in health.stdout, health.stdout
+    wait_for(lambda: listed() > before, 30)
+
+    codex_home = tmp_path / "codex"
+    codex_home.mkdir()
+    (tmp_path / "instructions.md").write_text("Answer briefly.\n")
+    config = CODEX_CONFIG.format(model=CODEX_ALIAS, url=service.url, instructions=tmp_path / "instructions.md")
+    (codex_home / "config.toml").write_text(config)
+    (tmp_path / "answer.json").write_text(json.dumps(ANSWER))
+    codex_env = {"CODEX_HOME": str(codex_home), "HOME": str(tmp_path), "COMPACTION_API_KEY": SERVICE_KEY}
+    codex = str(BIN / "codex")
+    added = run([codex, "mcp", "add", "archive", "--url", f"{service.url}/mcp", "--bearer-token-env-var",
+                 "COMPACTION_API_KEY"], work, codex_env)  # fmt: skip
+    assert added.returncode == 0, added.stderr
+    held_still(listed, 2.0, 30)  # Claude Code's calls all counted
+    before = listed()
+    flags = ["exec", "--skip-git-repo-check", "--output-schema", str(tmp_path / "answer.json")]
+    turn = run([codex, *flags, "Reply with one word: ready."], work, codex_env)  # its session starts its MCP servers
+    assert turn.returncode == 0, turn.stderr[-1500:]
+    wait_for(lambda: listed() > before, 30)

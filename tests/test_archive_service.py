@@ -1,0 +1,66 @@
+"""The archive through the real service: a compaction sent with archive: true keeps its chunks verbatim, and the
+official MCP client, with the tenant's key, lists /mcp's tools, recalls a dropped line by its handle and finds it
+by words; another tenant's key finds nothing of it, and no key gets a 401."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.support import SERVED_MODEL, SERVICE_KEY, TENANT_KEYS, auth
+from tests.test_chat_service import coding_history
+
+pytestmark = [pytest.mark.ray, pytest.mark.engine]
+
+
+async def mcp_calls(url: str, key: str, *calls: tuple[str, dict[str, Any]]) -> tuple[set[str], list[Any]]:
+    """The tools /mcp lists for `key`, and each call's result, through the official MCP client."""
+    import httpx2
+    from mcp.client.session import ClientSession
+    from mcp.client.streamable_http import streamable_http_client
+
+    async with (
+        httpx2.AsyncClient(headers={"Authorization": f"Bearer {key}"}, timeout=60) as http,
+        streamable_http_client(f"{url}/mcp", http_client=http) as streams,
+        ClientSession(streams[0], streams[1]) as session,
+    ):
+        await session.initialize()
+        tools = {tool.name for tool in (await session.list_tools()).tools}
+        return tools, [await session.call_tool(name, arguments) for name, arguments in calls]
+
+
+async def test_a_compactions_dropped_lines_are_recalled_by_their_handle_through_mcp(client: httpx.Client) -> None:
+    history = coding_history(12)
+    body = {"model": SERVED_MODEL, "messages": history, "chunk_tokens": 128, "max_chunk_summary_tokens": 16,
+            "archive": True}  # fmt: skip
+    result = client.post("/v1/compact", json=body)
+    assert result.status_code == 200, result.text
+    stats = result.json()["stats"]
+    handles, note = stats["archived_handles"], stats["archive_note"]
+    assert note is None and len(handles) == stats["chunks"] >= 2
+    assert all(f"[archived: {h}]" in result.json()["summary"] for h in handles)
+    url = str(client.base_url).rstrip("/")
+
+    tools, (recalled, found, other) = await mcp_calls(
+        url, SERVICE_KEY,
+        ("recall", {"handle": handles[0]}),
+        ("search_history", {"query": "parse_1 split"}),
+        ("recall", {"handle": "arc-" + "0" * 24}),
+    )  # fmt: skip
+    assert tools == {"recall", "search_history"}
+    text = recalled.content[0].text
+    assert not recalled.is_error and "module_0.py" in text and "return text.split(',')[0]" in text  # verbatim
+    assert not found.is_error and any(h in found.content[0].text for h in handles)
+    assert other.is_error and "was not found" in other.content[0].text
+
+    _, (elsewhere,) = await mcp_calls(url, TENANT_KEYS["tenant-a"], ("recall", {"handle": handles[0]}))
+    assert elsewhere.is_error and "was not found" in elsewhere.content[0].text  # as a handle that never existed
+
+    initialize = {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {}}
+    headers = {"Accept": "application/json, text/event-stream"}
+    assert httpx.post(f"{url}/mcp", json=initialize, headers=headers, timeout=30).status_code == 401
+    assert (
+        httpx.post(f"{url}/mcp", json=initialize, headers={**headers, **auth("sk-wrong-0123456789")}).status_code == 401
+    )

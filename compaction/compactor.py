@@ -201,6 +201,8 @@ class Compactor:
             kept = other.keeps_fallbacks or urgency(other.backend) <= AGENT
             if not other.done.cancelled() and (kept or other.done.result()[0].status not in FALLBACKS):
                 return _as_reused(other.done.result(), k)
+        elif other is None and (done := self._cached(plan, k)) is not None:
+            return done  # another run finished it since this one was planned
         mine = _InFlight(backend, asyncio.get_running_loop().create_future(), keep_fallbacks)
         self._in_flight[key] = mine
         try:

@@ -174,3 +174,19 @@ def test_borders_kept_from_an_earlier_plan_of_the_span_cut_it_as_if_it_were_whol
     kept = [c.end for c in whole[:3]]  # the whole chunks of an earlier, shorter plan of the same span
     assert partition(11, 1284, 256, 16, fixed=kept) == whole
     assert [c.end for c in whole] == [256, 512, 768, 1024, 1284]
+
+
+async def test_a_chunk_another_run_finished_after_this_one_looked_is_reused_not_sent(
+    tokenizer: ChatTokenizer,
+) -> None:
+    """A run looks in the chunk cache, then starts its chunks' tasks; a chunk another run ended in between (so neither
+    in flight nor seen cached) is taken from the cache when its task starts, not sent again (before, it was: the
+    escalated-fallback test of tests/test_sessions.py saw such a chunk asked twice in about one run in four)."""
+    compactor, backend = make(tokenizer, ChunkCache(64))
+    history = turns(0, 40)
+    options = {"chunk_tokens": 128, **PLAIN}
+    late = compactor.plan(history, options)
+    first = await compactor.compact(history, options)  # the other run, ended
+    sent = len(backend.requests)
+    stats, text = await compactor._summarise_and_keep(backend, late, 0, None, True, False)  # the task, starting
+    assert len(backend.requests) == sent and stats.reused and text == first.summary.split("\n\n")[0]

@@ -10,7 +10,6 @@ handle is simply not found there. Past `max_bytes` the oldest files go, and file
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import time
 from collections.abc import Sequence
@@ -19,7 +18,8 @@ from pathlib import Path
 import pyarrow.fs as pafs
 from pydantic import BaseModel, ConfigDict, Field
 
-from compaction.archive import HANDLE, ArchivedChunk
+from compaction.archive import HANDLE, ArchivedChunk, without_markers
+from compaction.result import CompactionResult
 
 logger = logging.getLogger(__name__)
 SNIPPET_CHARS = 240
@@ -134,5 +134,12 @@ def stored(archive: Archive | None, tenant: str, session: str | None, chunks: Se
     return None
 
 
-def dumps(hits: Sequence[Hit]) -> str:
-    return json.dumps([h.model_dump() for h in hits])
+def without_handles(result: CompactionResult, note: str) -> CompactionResult:
+    """`result` as if it had not been archived: no handle in its summary, `note` saying why."""
+    at = result.kept_head  # the summary message
+    head = result.messages[at]
+    if isinstance(head.content, str):
+        head = head.model_copy(update={"content": without_markers(head.content)})
+    stats = result.stats.model_copy(update={"archived_handles": [], "archive_note": note})
+    messages = [*result.messages[:at], head, *result.messages[at + 1 :]]
+    return result.model_copy(update={"messages": messages, "summary": without_markers(result.summary), "stats": stats})

@@ -31,7 +31,6 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from compaction.archive import without_markers
 from compaction.backend import Backend, Generation, GenerationRequest
 from compaction.compactor import Compactor, request_id
 from compaction.errors import (
@@ -45,7 +44,7 @@ from compaction.pacing import BACKGROUND, NEXT, PRIORITIES, Escalation, Priority
 from compaction.plan import CompactionPlan
 from compaction.result import CompactionResult, CompactionStats
 from serving.admission import Gate, Limits, SharedRuns
-from serving.archive import Archive, stored
+from serving.archive import Archive, stored, without_handles
 from serving.errors import outcome_of
 from serving.metrics import Outcome, OutcomeKind, Sink
 from serving.routing import (
@@ -335,25 +334,12 @@ class Coordinator:
         recorder = Recorder(Salted(compactor.backend, job.cache_salt))
         backend = Escalation(recorder, PRIORITIES[job.priority], urgent)
         result = await compactor.run(plan, routes=placement.routes(), backend=backend)
-        if plan.options.archive:
-            result = await self._archived(result, job)
+        if plan.options.archive:  # its chunks stored, or the result without their handles and why
+            note = await asyncio.to_thread(stored, self.archive, job.tenant, job.session_id, result.archived)
+            result = result if note is None else without_handles(result, note)
         out = self._result(plan, placement, result, recorder, job.session_id)
         update = {"coordinator": self.name, "priority": job.priority, "escalated_prompts": backend.escalated}
         return out.model_copy(update={"stats": out.stats.model_copy(update=update)})
-
-    async def _archived(self, result: CompactionResult, job: CompactJob) -> CompactionResult:
-        """The result once its chunks are stored; if they cannot be, without the handles, saying why."""
-        note = await asyncio.to_thread(stored, self.archive, job.tenant, job.session_id, result.archived)
-        if note is None:
-            return result
-        at = result.kept_head  # the summary message
-        head = result.messages[at]
-        if isinstance(head.content, str):
-            head = head.model_copy(update={"content": without_markers(head.content)})
-        messages = [*result.messages[:at], head, *result.messages[at + 1 :]]
-        stats = result.stats.model_copy(update={"archived_handles": [], "archive_note": note})
-        summary = without_markers(result.summary)
-        return result.model_copy(update={"messages": messages, "summary": summary, "stats": stats})
 
     def _report(
         self, job: CompactJob, outcome: OutcomeKind, stats: ServiceStats | None = None, joined: bool = False

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import replace
 from typing import Any
 
-from fastapi import FastAPI, Request, WebSocket
+from fastapi import FastAPI, Request
 from pydantic import ValidationError
 from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.handle import DeploymentHandle
@@ -73,6 +73,7 @@ from serving.wire.compact import CompactRequest
 from serving.wire.errors import AnthropicErrors
 from serving.wire.messages import CountTokensRequest, MessagesRequest
 from serving.wire.responses import CompactResponsesRequest, ResponsesRequest
+from serving.wire.responses_answer import refuse_websocket
 from serving.wire.sse import chat_chunks
 
 logger = logging.getLogger(__name__)
@@ -352,17 +353,6 @@ def _for_replica(request: Request, session: str | None = None) -> Request:
     headers = [(k, v) for k, v in request.scope["headers"] if k.lower() not in dropped]
     session_header = [(SESSION_HEADER.encode(), session.encode())] if session else []
     return Request({**request.scope, "headers": [*headers, *session_header]}, request.receive)
-
-
-async def refuse_websocket(websocket: WebSocket) -> None:
-    """The Responses API's websocket transport is not served: 426 at once, on which Codex goes on over HTTP POST
-    for the rest of its session (any other answer costs it seven tries, about 6 s, and a 400 fails its turn)."""
-    message = "the WebSocket transport is not served; use POST /v1/responses (streamed with stream: true)"
-    refusal = {"error": {"message": message, "type": "invalid_request_error", "code": "websocket_not_supported"}}
-    try:
-        await websocket.send_denial_response(JSONResponse(refusal, status_code=426))
-    except RuntimeError:  # a server without the denial-response extension: a plain refusal
-        await websocket.close()
 
 
 def compaction_routes() -> dict[str, Any]:

@@ -24,7 +24,8 @@ import httpx
 from compaction.backend import Generation, GenerationRequest
 from compaction.errors import BackendError, InvalidInput, Overloaded
 from compaction.pacing import CPU_RULE
-from serving.models import CPU_ENGINE_ENV, CpuBinding, cpu_dtype, yielding_engine_args
+from serving.cpu import CPU_ENGINE_ENV, cpu_dtype
+from serving.models import CpuBinding, yielding_engine_args
 from serving.tenants import client_headers
 
 

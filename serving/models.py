@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import os
-from collections.abc import Mapping
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Literal, cast, get_args
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -14,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from compaction.errors import InvalidInput, UnknownModel
 from compaction.pacing import YieldRule
 from compaction.partition import PlanLimits
+from serving.cpu import CPU_ENGINE_ENV, cpu_dtype
 
 DEFAULT_CATALOGUE = Path(__file__).with_name("catalogue.yaml")
 DEFAULT_MODEL = "smollm2-135m-instruct"  # the CPU default: what the service hosts when told nothing else
@@ -30,16 +29,8 @@ RESERVED_ENGINE_ARGS = frozenset({"scheduling_policy", "additional_config"})
 # vLLM schedulers in which background compaction yields to the agent (serving.scheduler).
 SCHEDULERS = {"cpu": "serving.scheduler.YieldingScheduler", "gpu": "serving.scheduler.YieldingAsyncScheduler"}
 CpuBinding = Literal["cores", "auto", "nobind"]  # serving.placement
-CpuDtype = Literal["bfloat16", "float32"]
 # vLLM's own max_num_seqs default for an OpenAI server: 128 on the CPU, 1024 on 70 GB+ GPUs (H100), 256 below.
 DEFAULT_MAX_NUM_SEQS = {"cpu": 128, "gpu_large": 1024, "gpu": 256}
-CPU_DTYPE_ENV = "COMPACTION_CPU_DTYPE"  # float32 or bfloat16: overrides what the CPU's flags choose
-# The environment of every CPU engine. oneDNN keeps up to 1,024 primitives per process, one for each shape it has
-# met, beside vLLM-CPU's own 32 per linear layer: with prompts of every length the engine grew by 509 MiB (16 %) in
-# 150 batches and kept growing; without the global cache it settled after 60 batches at +210 MiB, as fast
-# (docs/benchmarks.md, the soak).
-CPU_ENGINE_ENV = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "0"}
-BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})  # x86 AVX512-BF16 / AMX, Arm's BF16 extension
 LARGE_GPUS = frozenset({"H100", "H200", "B200", "GB200"})
 
 
@@ -377,35 +368,3 @@ def load_catalogue(path: str | Path | None = None) -> Catalogue:
 def yielding_engine_args(device: Literal["cpu", "gpu"], rule: YieldRule) -> dict[str, Any]:
     """Engine arguments of priority scheduling with background work yielding to the agent (serving.scheduler)."""
     return {"scheduling_policy": "priority", "scheduler_cls": SCHEDULERS[device], "additional_config": rule.config()}
-
-
-def cpu_dtype(cpuinfo: Path = Path("/proc/cpuinfo"), environ: Mapping[str, str] = os.environ) -> CpuDtype:
-    """The CPU engines' dtype: bfloat16 where the CPU computes it natively, else float32.
-
-    Without native bf16 (an AVX2-only x86, for one) every bf16 matmul is converted on the fly:
-    measured with vLLM-CPU on an AVX2 EPYC core, SmolLM2's prefill ran at 54 tokens/s in bf16
-    against 190 in float32 (decode 44 vs 62 ms a step), and a compaction is mostly prefill. The
-    KV cache follows the dtype, so float32 halves the tokens a `kv_cache_gib` holds.
-
-    `COMPACTION_CPU_DTYPE=float32` (or `bfloat16`) overrides the flags: the slower machines' float32 path can
-    then run on a bf16 CPU (`COMPACTION_CPU_DTYPE=float32 make test`).
-    """
-    forced = environ.get(CPU_DTYPE_ENV, "").strip()
-    if forced:
-        if forced not in get_args(CpuDtype):
-            raise InvalidInput(CPU_DTYPE_ENV, f"is {forced!r}: set it to float32 or bfloat16, or unset it")
-        return cast(CpuDtype, forced)
-    try:
-        flags = {
-            f
-            for line in cpuinfo.read_text().splitlines()
-            if line.startswith(("flags", "Features"))
-            for f in line.split()
-        }
-    except OSError:
-        return "float32"
-    return "bfloat16" if flags & BF16_CPU_FLAGS else "float32"
-
-
-def dtype_bytes(dtype: str) -> int:
-    return 4 if dtype == "float32" else 2

@@ -87,7 +87,7 @@ def test_the_model_replica_never_sees_the_callers_key() -> None:
 def test_the_responses_websocket_is_refused_at_once_with_426() -> None:
     from starlette.testclient import WebSocketDenialResponse
 
-    from serving.api import refuse_websocket
+    from serving.wire.responses_answer import refuse_websocket
 
     app = FastAPI()
     app.add_api_websocket_route("/v1/responses", refuse_websocket)

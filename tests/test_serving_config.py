@@ -9,7 +9,8 @@ import yaml
 
 from compaction.errors import InvalidInput
 from serving.app import AppArgs, build_app, hosted_specs, parse_args
-from serving.models import CPU_DTYPE_ENV, cpu_dtype, load_catalogue
+from serving.cpu import CPU_DTYPE_ENV, cpu_dtype
+from serving.models import load_catalogue
 
 pytestmark = pytest.mark.ray
 GPU_MODELS = ["llama-3.1-8b-instruct", "gpt-oss-20b", "gpt-oss-120b", "llama-3.3-70b-instruct"]

@@ -213,10 +213,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data", default=str(LOCOMO_PATH))
     parser.add_argument("--json", type=Path)
     parser.add_argument("--speed", help="bare engine speed per VLLM_CPU_OMP_THREADS_BIND value instead (e.g. auto,0-1)")
-    parser.add_argument("--dtype", default=None, help="--speed: the engines' dtype (default: serving.models.cpu_dtype)")
+    parser.add_argument("--dtype", default=None, help="--speed: the engines' dtype (default: serving.cpu.cpu_dtype)")
     args = parser.parse_args(argv)
     if args.speed:
-        from serving.models import cpu_dtype
+        from serving.cpu import cpu_dtype
 
         args.dtype = args.dtype or cpu_dtype()
         return run_speed(args)

@@ -22,7 +22,7 @@ import yaml
 from compaction.backend import Backend, Generation, GenerationRequest
 from compaction.tokenizer import ChatTokenizer
 from jobs.sim.profiles import DecodePoint, EngineProfile, PrefillPoint, Source
-from serving.models import cpu_dtype, dtype_bytes
+from serving.cpu import cpu_dtype, dtype_bytes
 
 CPU_MEMORY_BYTES_PER_S = 20e9  # nominal DRAM bandwidth; at the calibration context it only shifts the decode base
 
@@ -35,7 +35,7 @@ def model_facts(model_path: Path) -> dict[str, float]:
     return {
         "attention_layers": layers,
         "attention_width": config["num_attention_heads"] * head,
-        # K and V, in the dtype the CPU engines run (serving.models.cpu_dtype)
+        # K and V, in the dtype the CPU engines run (serving.cpu.cpu_dtype)
         "kv_bytes_per_token": layers * config["num_key_value_heads"] * head * 2 * dtype_bytes(cpu_dtype()),
     }
 

@@ -1,6 +1,6 @@
 """The OpenAI Responses API's answers (serving.wire.responses has its requests): a chat completion as a Response
 object or its stream of events, the compaction item first; the /v1/responses/compact answer; the answer to
-Codex's compaction_trigger (exactly one compaction item).
+Codex's compaction_trigger (exactly one compaction item); the refusal of its websocket transport.
 """
 
 from __future__ import annotations
@@ -9,6 +9,9 @@ import time
 import uuid
 from collections.abc import AsyncIterable, AsyncIterator, Iterator
 from typing import Any
+
+from fastapi import WebSocket
+from starlette.responses import JSONResponse
 
 from compaction.history import Message
 from compaction.result import CompactionStats
@@ -248,3 +251,14 @@ async def stream(
         yield text
     final = out.envelope(status, usage=usage(chat_usage), compaction=outcome_json(outcome))
     yield out.send(f"response.{status}", response=final)
+
+
+async def refuse_websocket(websocket: WebSocket) -> None:
+    """The Responses API's websocket transport is not served: 426 at once, on which Codex goes on over HTTP POST
+    for the rest of its session (any other answer costs it seven tries, about 6 s, and a 400 fails its turn)."""
+    message = "the WebSocket transport is not served; use POST /v1/responses (streamed with stream: true)"
+    refusal = {"error": {"message": message, "type": "invalid_request_error", "code": "websocket_not_supported"}}
+    try:
+        await websocket.send_denial_response(JSONResponse(refusal, status_code=426))
+    except RuntimeError:  # a server without the denial-response extension: a plain refusal
+        await websocket.close()

@@ -69,8 +69,15 @@ def test_json_nested_deep_is_a_400_naming_the_body(client: httpx.Client) -> None
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "body", refused.text
 
 
-def test_a_compaction_item_that_inflates_without_end_is_refused_naming_it(client: httpx.Client) -> None:
-    text = b'[{"role": "user", "content": "' + b"a" * (MAX_DECODED_BYTES + 1) + b'"}]'
+@pytest.mark.parametrize(
+    "text",
+    [
+        b'[{"role": "user", "content": "' + b"a" * (MAX_DECODED_BYTES + 1) + b'"}]',  # inflates past the cap
+        b"[" * 100_000 + b"]" * 100_000,  # nested 100,000 deep once inflated (before: a RecursionError, a 500)
+    ],
+    ids=["inflating", "nested"],
+)
+def test_a_compaction_item_that_inflates_without_end_is_refused_naming_it(client: httpx.Client, text: bytes) -> None:
     bomb = PREFIX + base64.urlsafe_b64encode(zlib.compress(text, 9)).decode().rstrip("=")
     items = [{"type": "compaction", "encrypted_content": bomb}, {"role": "user", "content": "Go on."}]
     refused = client.post("/v1/responses", json={"model": SERVED_MODEL, "input": items, "max_output_tokens": 4})

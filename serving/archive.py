@@ -4,11 +4,13 @@ Files through pyarrow's filesystems: a local folder by default (one machine: the
 ingress reads the same disk), `s3://…` or `gs://…` for a cluster. One JSON file per chunk, at
 `<root>/<tenant digest>/<handle>.json`: a tenant's handles live under its own folder, so another tenant's
 handle is simply not found there. Past `max_bytes` the oldest files go, and files older than
-`retention_days` go when the archive is next written.
+`retention_days` go, when the archive is next written (at most once a minute per process: between two such
+passes the archive may pass its budget by a minute's writes).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import time
@@ -23,6 +25,7 @@ from compaction.result import CompactionResult
 
 logger = logging.getLogger(__name__)
 SNIPPET_CHARS = 240
+TRIM_EVERY_S = 60.0  # the retention and byte-budget pass lists the whole archive: at most once a minute per process
 
 
 class ArchiveConfig(BaseModel):
@@ -59,6 +62,7 @@ class Archive:
 
         self.config = config
         self.fs, self.root = pafs.FileSystem.from_uri(config.uri or str(cache_dir() / "archive"))
+        self._trimmed_at = float("-inf")
         if isinstance(self.fs, pafs.LocalFileSystem):
             Path(self.root).mkdir(parents=True, exist_ok=True)
 
@@ -74,7 +78,9 @@ class Archive:
             kept = Kept(session=session, stored_at=now, **chunk.model_dump())
             with self.fs.open_output_stream(f"{folder}/{chunk.handle}.json") as out:
                 out.write(kept.model_dump_json().encode())
-        self._trim(now)
+        if now - self._trimmed_at >= TRIM_EVERY_S:
+            self._trimmed_at = now
+            self._trim(now)
 
     def recall(self, tenant: str, handle: str) -> Kept | None:
         """The chunk `handle` names among `tenant`'s, or None."""
@@ -114,7 +120,8 @@ class Archive:
         for info in files:
             if (info.mtime_ns or 0) / 1e9 >= expired and total <= self.config.max_bytes:
                 break
-            self.fs.delete_file(info.path)
+            with contextlib.suppress(FileNotFoundError):  # another process's pass took it first
+                self.fs.delete_file(info.path)
             total -= info.size or 0
 
     def _files_everywhere(self) -> list[pafs.FileInfo]:

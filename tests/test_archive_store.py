@@ -7,8 +7,11 @@ import os
 import time
 from pathlib import Path
 
+import pytest
+
 from compaction.archive import MARKER, ArchivedChunk, handle_of
 from compaction.tokenizer import HFChatTokenizer
+from serving import archive as archive_module
 from serving.archive import Archive, ArchiveConfig, stored
 from serving.tenants import DEFAULT_TENANT
 
@@ -34,7 +37,10 @@ def test_a_tenant_recalls_and_finds_its_own_chunks_only(tmp_path: Path) -> None:
     assert archive.search("team-b", "disk quota") == []
 
 
-def test_expired_chunks_and_those_past_the_byte_budget_go_oldest_first(tmp_path: Path) -> None:
+def test_expired_chunks_and_those_past_the_byte_budget_go_oldest_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(archive_module, "TRIM_EVERY_S", 0.0)  # a pass at every write
     archive = Archive(ArchiveConfig(uri=str(tmp_path), retention_days=1, max_bytes=1 << 20))
     archive.put("t", "s1", [ERROR])
     old = next(tmp_path.rglob(f"{ERROR.handle}.json"))

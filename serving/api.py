@@ -119,7 +119,7 @@ class CompactionIngress(OpenAiIngress):
         """Compact a history; the stats show where each chunk ran, what the cache served and the queue wait."""
         return await self._compact(body.job(_header_session(request), tenant_of(request)))
 
-    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+    async def completions(self, body: CompletionRequest, request: Request) -> Response:  # type: ignore[override]
         """OpenAI completions, in the caller's own prefix-cache namespace."""
         refuse_service_fields(await request.json())
         salt = tenant_of(request).salted(body.cache_salt)
@@ -144,7 +144,7 @@ class CompactionIngress(OpenAiIngress):
         assert isinstance(outcome, ServiceResult)
         return outcome
 
-    async def chat(self, body: ChatRequest, request: Request) -> Response:
+    async def chat(self, body: ChatRequest, request: Request) -> Response:  # type: ignore[override]
         """OpenAI chat completions. With `context_management` (the request's, else the model's default entry),
         compacted server-side (see serving.turns)."""
         raw = await request.json()

@@ -16,8 +16,10 @@ from typing import Any
 import ray
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
-from ray.llm._internal.serve.core.configs.openai_api_models import ChatCompletionRequest as ChatRequest
-from ray.llm._internal.serve.core.configs.openai_api_models import CompletionRequest, to_model_metadata
+from pydantic import model_validator
+from ray.llm._internal.serve.core.configs.openai_api_models import ChatCompletionRequest as _ChatRequest
+from ray.llm._internal.serve.core.configs.openai_api_models import CompletionRequest as _CompletionRequest
+from ray.llm._internal.serve.core.configs.openai_api_models import to_model_metadata
 from ray.llm._internal.serve.core.ingress.ingress import DEFAULT_ENDPOINTS
 from ray.llm._internal.serve.core.ingress.ingress import init as init_openai_app
 from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
@@ -32,6 +34,34 @@ __all__ = [
     "openai_routes", "router_kwargs",
 ]  # fmt: skip
 ROUTER_CLASS = "serving.ray_adapter:SessionRouter"
+
+
+def _readable(data: Any, handler: Callable[[Any], Any]) -> Any:
+    """vLLM's own request checks read some fields before their types are checked (`structured_outputs: 1.5` met
+    `.get`): such a field is a validation error (a 422 naming the body), never an AttributeError (a 500)."""
+    try:
+        return handler(data)
+    except (AttributeError, TypeError, KeyError) as exc:
+        why = f"a field has a type the model's request checks cannot read ({exc}); see the API's schema"
+        raise ValueError(why) from exc
+
+
+class ChatRequest(_ChatRequest):
+    """ray.serve.llm's chat completion request, whatever the types of its fields."""
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _readable_fields(cls, data: Any, handler: Callable[[Any], Any]) -> Any:
+        return _readable(data, handler)
+
+
+class CompletionRequest(_CompletionRequest):
+    """ray.serve.llm's completion request, whatever the types of its fields."""
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _readable_fields(cls, data: Any, handler: Callable[[Any], Any]) -> Any:
+        return _readable(data, handler)
 
 
 class SessionRouter(ConsistentHashRouter):

@@ -62,6 +62,17 @@ def test_a_request_the_engine_refuses_is_answered_in_our_shape_without_its_inter
     assert refused.headers.get("x-request-id")
 
 
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_a_field_the_engines_checks_cannot_read_is_a_422_not_a_500(client: httpx.Client, path: str) -> None:
+    """vLLM's own request checks read `structured_outputs` before its type is checked (found by the fuzz test: an
+    AttributeError, a 500 in ray.serve.llm's shape)."""
+    body = {"model": SERVED_MODEL, "max_tokens": 4, "structured_outputs": 1.5}
+    body.update({"messages": SHORT} if path == "/v1/chat/completions" else {"prompt": "Hi"})
+    refused = client.post(path, json=body)
+    assert refused.status_code == 422 and refused.json()["error"]["param"] == "body", refused.text
+    assert "cannot read" in refused.text and "Internal" not in refused.text
+
+
 def test_json_nested_deep_is_a_400_naming_the_body(client: httpx.Client) -> None:
     message = {"role": "user", "content": "x", "x": "NEST"}
     deep = json.dumps({"model": SERVED_MODEL, "messages": [message]}).replace('"NEST"', "[" * 300 + "]" * 300)

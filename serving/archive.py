@@ -89,7 +89,7 @@ class Archive:
         try:
             with self.fs.open_input_stream(f"{self._folder(tenant)}/{handle}.json") as source:
                 return Kept.model_validate_json(source.read())
-        except (FileNotFoundError, OSError):
+        except (OSError, ValueError):  # missing, unreadable, or not a chunk this service wrote
             return None
 
     def search(self, tenant: str, query: str, session: str | None = None, limit: int = 5) -> list[Hit]:

@@ -224,10 +224,10 @@ async def on_engine_error(request: Request, exc: Exception) -> JSONResponse:
         text, named = str(exc.args[0] if exc.args else exc), getattr(exc, "parameter", None)
     else:
         status, text, named = int(getattr(exc, "status_code", 500)), str(getattr(exc, "message", "")), None
-    logger.info("the engine refused a request on %s (request %s): %s", request.url.path, _request_id(request), text)
     if not 400 <= status < 500:
-        logger.warning("engine error %d on %s (request %s)", status, request.url.path, _request_id(request))
+        logger.warning("engine error %d on %s (request %s): %s", status, request.url.path, _request_id(request), text)
         return error_response(503, "service_unavailable", "the model failed on this request; retry shortly", None, 5)
+    logger.info("the engine refused a request on %s (request %s): %s", request.url.path, _request_id(request), text)
     sentence, param = engine_refusal(text)
     param = named if isinstance(named, str) else param
     kind = "not_found_error" if status == 404 else "invalid_request_error"

@@ -33,8 +33,12 @@ def test_a_tenant_recalls_and_finds_its_own_chunks_only(tmp_path: Path) -> None:
     assert archive.recall("team-a", "arc-" + "0" * 24) is None and archive.recall("team-a", "../../etc") is None
     hits = archive.search("team-a", "disk quota OSError")
     assert [h.handle for h in hits] == [ERROR.handle] and hits[0].score == 3 and "disk quota" in hits[0].snippet
+    assert [h.handle for h in archive.search("team-a", "rerun writer")] == [PLAN.handle]
     assert archive.search("team-a", "rerun writer", session="s2") == []
     assert archive.search("team-b", "disk quota") == []
+    (tmp_path / archive._folder("team-a").rsplit("/", 1)[1] / f"{PLAN.handle}.json").write_text("{not json")
+    assert archive.recall("team-a", PLAN.handle) is None  # a damaged file reads as missing
+    assert archive.search("team-a", "rerun writer") == []
 
 
 def test_expired_chunks_and_those_past_the_byte_budget_go_oldest_first(

@@ -9,7 +9,16 @@ identifier) gets no bonus for sounding like a constraint or a decision ("I'll do
 unless it is an instruction in the imperative ("Never edit ..."); a name on most of the span's
 lines names nothing in particular; and a line of a shape that repeats (listings, "saved
 plots/p_12.png", "count 41.5") weighs less the more copies there are: routine output, not a
-fact. The best lines that fit the token budget are kept word for word, each labelled with its
+fact.
+
+A conversation between people (no tool in the span; most messages open with their speaker's
+name, "Caroline: ...", as LoCoMo's turns do) is weighed for the facts its lines state, whoever
+says them: what someone did or plans, when (yesterday, last week, 2022), the people, places and
+groups it names (the speakers' own names, "Mel" for "Melanie", name nothing). A sentence that
+only greets, thanks, reacts, compliments or asks ("Hey Caroline! Good to see you!", "Wow, that's
+great!", "What now?") states nothing, and a line of such sentences scores 0.
+
+The best lines that fit the token budget are kept word for word, each labelled with its
 speaker, in their original order; nothing is invented, so such a summary is grounded by
 construction.
 """
@@ -48,6 +57,7 @@ _DECISION = re.compile(
     re.IGNORECASE,
 )
 _TOOL_CALL = re.compile(r"^\[tool call\b")
+_CALL_LINE = re.compile(r"^\[tool call\b", re.MULTILINE)
 CALL_TAG = re.compile(r"^\[tool (call|result)[^\]]*\]")
 _CALL_ID = re.compile(r"^\[tool (?:call|result) ([^\]]+)\]", re.MULTILINE)
 _DIGITS = re.compile(r"\d+")
@@ -56,6 +66,33 @@ _HAS_WORD = re.compile(r"\w")
 _CUT_WORD_START = re.compile(r"^\S+")
 _CUT_WORD_END = re.compile(r"\S+$")
 _FILE = re.compile(r"\w\.[a-z]{1,5}$")
+# Dialogue (`_dialogue_score`). A message voiced by a named speaker: "Caroline: ..." at a line start.
+_SPEAKER = re.compile(r"^([A-Z][\w'-]*): ", re.MULTILINE)
+_CLAUSE = re.compile(r"(?<=[.!?])\s+")
+_FIRST_PERSON = re.compile(r"\b(i|me|my|mine|we|us|our)\b", re.IGNORECASE)
+_SECOND_PERSON = re.compile(r"\b(you|your|yours|yourself)\b", re.IGNORECASE)
+# A sentence opened by a greeting, thanks, a farewell, agreement or a reaction to the other speaker states nothing
+# unless it gives a time ("Hey Mel!", "Thanks so much!", "I 100% agree, Mel.", "I'm so proud of you!").
+_PHATIC = re.compile(
+    r"^\W*(hey|hi|hello|thanks|thank you|bye|goodbye|take care|talk (to you )?(soon|later)|see you|good to see|"
+    r"(i )?(\S+ )?agree|i'm (so |really )?(glad|happy|proud|sorry) (for |of |to hear |that )?you)\b",
+    re.IGNORECASE,
+)
+_WHEN = re.compile(
+    r"\b(yesterday|today|tonight|tomorrow|recently|\w+ ago|weekends?|(mon|tues|wednes|thurs|fri|satur|sun)days?|"
+    r"(last|next|this|every) (week|month|year|night|morning|evening|summer|winter|spring|fall)|(19|20)\d\d|"
+    r"\d+ (years?|months?|weeks?|days?))\b",
+    re.IGNORECASE,
+)
+_MONTH = re.compile(r"\b(January|February|March|April|May|June|July|August|September|October|November|December)\b")
+# What someone did or will do: a first person's past-tense verb, or a plan.
+_ACT = re.compile(
+    r"\b(i|we)( just| recently| finally| also| actually)? (\w+ed|went|ran|saw|made|took|got|met|bought|began|did|"
+    r"gave|found|left|came|won|wrote|read|told|sang|swam|drove|flew|built|heard|held|lost|paid|sent|spent|taught)\b|"
+    r"\b(gonna|going to|(plan|want|hope|dream)(s|ed|ing)? (to|of)|(thinking|thought) (of|about)|keen on|looking into|"
+    r"about to|will|i'll|we'll|i'd love to)\b",
+    re.IGNORECASE,
+)
 COMMON_LINES, COMMON_SHARE = 8, 0.05  # a salient token in this many lines, and this share of them, is common
 
 
@@ -106,13 +143,11 @@ def segments(history: RenderedHistory, tokenizer: ChatTokenizer, start: int, end
     return out
 
 
-def _score(segment: Segment, text: str, first_line: bool, failed: frozenset[str], common: frozenset[str]) -> float:
-    """Salience of one line: who says it, what kind of line it is, what it names.
-
-    `failed`: ids of the tool calls whose result reports a failure; `common`: salient tokens too
-    frequent to name anything in particular.
-    """
-    salient = [t for t in salient_tokens(text) if t not in common]
+def _score(segment: Segment, text: str, first_line: bool, w: Weights) -> float:
+    """Salience of one line: who says it, what kind of line it is, what it names (`w`: the span's weights)."""
+    salient = [t for t in salient_tokens(text) if t not in w.common]
+    if w.speakers:
+        return _dialogue_score(text, salient, w.speakers)
     if not salient and len(text.split()) < 3:
         return 0.0  # "ok", "thanks": nothing to keep
     tool = segment.role == "tool"
@@ -133,7 +168,52 @@ def _score(segment: Segment, text: str, first_line: bool, failed: frozenset[str]
     if tool and first_line:
         score += 2.0
     if call:
-        score += 1.0 + (4.0 if _failure(text, failed) else 0.0)
+        score += 1.0 + (4.0 if _failure(text, w.failed) else 0.0)
+    return score
+
+
+def _speaker(token: str, speakers: frozenset[str]) -> bool:
+    """A speaker's name, or its short form ("mel" for "melanie")."""
+    return any(name == token or (len(token) >= 3 and name.startswith(token)) for name in speakers)
+
+
+def _states(sentence: str, named: Sequence[str]) -> bool:
+    """A sentence of a conversation states something: it gives a time; else, neither a question nor a greeting
+    (`_PHATIC`), it names something, speaks of the speaker ("I", "we") or of an act or a plan not the listener's
+    ("Researching adoption agencies - it's been a dream to have a family."). A reaction or a compliment ("That's
+    so cool!", "You'd be a great counselor!") does not."""
+    if sentence.rstrip().endswith("?"):
+        return False
+    if _WHEN.search(sentence) or _MONTH.search(sentence):
+        return True
+    if _PHATIC.match(sentence):
+        return False
+    if named or _FIRST_PERSON.search(sentence):
+        return True
+    return _ACT.search(sentence) is not None and _SECOND_PERSON.search(sentence) is None
+
+
+def _dialogue_score(text: str, salient: Sequence[str], speakers: frozenset[str]) -> float:
+    """Salience of a line of a conversation between people, whoever says it: 0 unless one of its sentences
+    states something (`_states`); then 1, plus what those sentences name (0.5 a name, up to 2), a time (2; a
+    date is a time, not names and numbers), else a number (1), and an act or a plan of someone's (1)."""
+    said = []
+    for sentence in _CLAUSE.split(_SPEAKER.sub("", text, count=1)):
+        named = [t for t in salient_tokens(sentence) if t in salient and not _speaker(t, speakers)]
+        if _states(sentence, named):
+            said.append((sentence, named))
+    if not said:
+        return 0.0  # greetings, thanks, reactions, questions
+    stated = " ".join(sentence for sentence, _ in said)
+    tokens = {t for _, named in said for t in named}
+    names = [t for t in tokens if not t[0].isdigit() and not _MONTH.fullmatch(t.capitalize())]
+    score = 1.0 + min(2.0, 0.5 * len(names))
+    if _WHEN.search(stated) or _MONTH.search(stated):
+        score += 2.0
+    elif len(names) < len(tokens):
+        score += 1.0  # a number
+    if _ACT.search(stated):
+        score += 1.0
     return score
 
 
@@ -198,15 +278,28 @@ class Weights:
     common: frozenset[str]  # salient tokens too frequent to name anything in particular
     shapes: Counter[str]  # lines per shape
     failed: frozenset[str]  # ids of the tool calls whose result reports a failure
+    speakers: frozenset[str] = frozenset()  # the speakers' names (lower case) when the span is a dialogue
+
+
+def _speakers(parts: Sequence[Segment]) -> frozenset[str]:
+    """The speakers' names, lower case, when the segments are a conversation between people: no tool result
+    or call, and at least half of the messages they open name their speaker ("Caroline: ..."); else none."""
+    if any(p.role == "tool" or _CALL_LINE.search(p.text) for p in parts):
+        return frozenset()
+    opened = [p for p in parts if p.opens_message]
+    names = [m.group(1).lower() for m in (_SPEAKER.search(p.text) for p in opened) if m]
+    return frozenset(names) if opened and 2 * len(names) >= len(opened) else frozenset()
 
 
 def weights(parts: Sequence[Segment]) -> Weights:
     """Counted over a span: a salient token that many lines name (the two speakers' names, the project's
-    name) names nothing in particular, and a line of a shape many lines share is routine."""
+    name) names nothing in particular, and a line of a shape many lines share is routine; and whether the
+    span is a dialogue, between whom."""
     texts = _texts(parts)
     named = Counter(t for _, text, _ in texts for t in salient_tokens(text))
     common = frozenset(t for t, n in named.items() if n >= max(COMMON_LINES, COMMON_SHARE * len(texts)))
-    return Weights(common, Counter(_shape(text) for _, text, _ in texts), _failed_calls(parts))
+    shapes = Counter(_shape(text) for _, text, _ in texts)
+    return Weights(common, shapes, _failed_calls(parts), _speakers(parts))
 
 
 def candidate_lines(parts: Sequence[Segment], weighed: Weights | None = None) -> list[Line]:
@@ -219,7 +312,7 @@ def candidate_lines(parts: Sequence[Segment], weighed: Weights | None = None) ->
     w = weighed or weights(parts)
     lines: list[Line] = []
     for segment, text, first in texts:
-        score = _score(segment, text, first, w.failed, w.common)
+        score = _score(segment, text, first, w)
         routine = 0.0 if _failure(text, w.failed) else min(3.0, math.log2(max(1, w.shapes[_shape(text)])))
         lines.append(Line(len(lines), segment.role, text, max(0.0, score - routine)))
     return lines
@@ -230,14 +323,14 @@ def _render(lines: Sequence[Line]) -> str:
 
 
 def select(lines: Sequence[Line], tokenizer: ChatTokenizer, budget: int, chars_per_token: float) -> str:
-    """The best lines that fit `budget` tokens, in their original order.
+    """The best lines that fit `budget` tokens, in their original order (a line scoring 0 never, unless all do).
 
     Lines are costed by characters (`chars_per_token`, the chunk's own ratio), and the result is
     then tokenised once and trimmed from its least salient line until it fits: one tokenizer call
     per chunk instead of one per line. If not even the best line fits, its first `budget` tokens
     are kept, so a chunk never vanishes without a trace.
     """
-    ranked = sorted(lines, key=lambda line: (-line.score, line.position))
+    ranked = sorted([line for line in lines if line.score > 0] or lines, key=lambda line: (-line.score, line.position))
     kept: list[Line] = []
     used = 0.0
     for line in ranked:

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from compaction.compactor import Compactor
-from compaction.extractive import CALL_TAG, candidate_lines, extract, segments
+from compaction.extractive import CALL_TAG, candidate_lines, extract, segments, weights
 from compaction.history import parse_messages
-from compaction.render import render_history
+from compaction.partition import partition
+from compaction.render import RenderedHistory, render_history
 from compaction.tokenizer import HFChatTokenizer
+from jobs.data.conversations import locomo_messages, truncate_history
 from tests.fakes import FakeBackend
 
 NOISE = [f"line {i} of the module body, nothing to see here" for i in range(30)]
@@ -37,7 +40,7 @@ def coding_history() -> list[dict[str, Any]]:
     ]
 
 
-def rendered(tokenizer: HFChatTokenizer, messages: list[dict[str, Any]]):
+def rendered(tokenizer: HFChatTokenizer, messages: list[dict[str, Any]]) -> RenderedHistory:
     return render_history(parse_messages(messages), tokenizer)
 
 
@@ -143,7 +146,7 @@ def test_a_border_never_leaves_half_a_word(tokenizer: HFChatTokenizer) -> None:
             assert set(part.text.split()) <= words, (border, part.text)
 
 
-def history_text(tokenizer: HFChatTokenizer, history, start: int, end: int) -> str:
+def history_text(tokenizer: HFChatTokenizer, history: RenderedHistory, start: int, end: int) -> str:
     return tokenizer.decode(history.token_ids[start:end])
 
 
@@ -163,3 +166,59 @@ async def test_strategy_extractive_calls_no_model_and_fits_any_window(tokenizer:
     assert all(c.summary_tokens <= 48 and c.grounding == 1.0 and c.first_grounding is None for c in stats.per_chunk)
     assert stats.compacted_tokens < stats.history_tokens
     assert "FAILED tests/test_dates.py::test_parse_iso" in result.summary
+
+
+# A line of a dialogue made only of greetings, thanks, reactions, compliments and questions (a speaker's name first).
+GREETING_ONLY = re.compile(
+    r"^(\w+: )?(((hey|hi|hello|thanks|thank you|wow|bye|take care|good to see you|that's|you're|you've|you'd|"
+    r"i totally agree)\b[^.!?]*[.!?]+|[^.!?]*\?+)\s*)+$",
+    re.IGNORECASE,
+)
+GREETINGS = ["Hey Caroline! Good to see you!", "Thanks!", "Wow, that's great!", "Bye! Take care",
+             "Hey Mel! How have you been?", "Thanks, Melanie! That's really sweet.", "I totally agree, Mel.",
+             "You'd be a great counselor!"]  # fmt: skip
+FACTS = ["I went to a LGBTQ support group yesterday.", "We're moving to Boston next month.",
+         "My brother started at Google in 2022.", "I'm planning to adopt a dog.",
+         "I painted that lake sunrise last year!",
+         "Researching adoption agencies, it's been a dream to have a family."]  # fmt: skip
+
+
+def test_greetings_never_outrank_facts_in_a_dialogue(tokenizer: HFChatTokenizer) -> None:
+    texts = [text for pair in zip(GREETINGS, FACTS + FACTS[:2], strict=True) for text in pair]
+    chat = [
+        {"role": "user", "content": f"Caroline: {text}"} if i % 2 else
+        {"role": "assistant", "content": f"Melanie: {text}"}
+        for i, text in enumerate(texts)
+    ]  # fmt: skip
+    scores = _scores(tokenizer, chat)
+    said = {text.split(": ", 1)[1]: score for text, score in scores.items()}
+    assert all(said[text] == 0.0 for text in GREETINGS), said  # the addressee's name (or "Mel") names nothing
+    assert all(said[text] >= 1.0 for text in FACTS), said
+    assert said["I went to a LGBTQ support group yesterday."] > said["I'm planning to adopt a dog."]  # a time, a name
+    history = rendered(tokenizer, coding_history())  # a span with tool calls is no dialogue: weighed as before
+    assert weights(segments(history, tokenizer, 0, len(history.token_ids))).speakers == frozenset()
+
+
+def test_the_demo_conversation_keeps_both_speakers_facts_not_greetings(
+    tokenizer: HFChatTokenizer, locomo: list[dict[str, Any]]
+) -> None:
+    messages = truncate_history(locomo_messages(locomo[0]), tokenizer, 3072)  # as jobs/demo.py's defaults
+    history = rendered(tokenizer, messages)
+    chunks = partition(history.message_starts[0], len(history.token_ids), 512)
+    first = chunks[0]
+    for budget in (42, 96):  # the demo's budget per chunk, and room for more lines
+        kept = extract(history, tokenizer, first.start, first.end, budget).splitlines()
+        assert kept and not [line for line in kept if GREETING_ONLY.match(line.split(": ", 1)[1])], kept
+        assert "user: Caroline: I went to a LGBTQ support group yesterday and it was so powerful." in kept
+    assert {line.split(": ")[0] for line in kept} == {"user", "assistant"}, kept  # Caroline's and Melanie's
+    assert "assistant: Melanie: Yeah, I painted that lake sunrise last year! It's special to me." in kept
+    # Ranked over the whole span as `compaction.merge.pin` ranks them: greetings score 0, both speakers on top.
+    parts = [segments(history, tokenizer, c.start, c.end) for c in chunks]
+    span = weights([part for chunk in parts for part in chunk])
+    assert span.speakers == {"caroline", "melanie"}
+    lines = [line for chunk in parts for line in candidate_lines(chunk, span)]
+    greetings = [line for line in lines if GREETING_ONLY.match(line.text)]
+    assert len(greetings) > 10 and all(line.score == 0.0 for line in greetings)
+    best = sorted(lines, key=lambda line: -line.score)[:6]
+    assert {line.label for line in best} == {"user", "assistant"}
+    assert all(line.score >= 2.0 for line in best)

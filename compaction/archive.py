@@ -29,7 +29,7 @@ class ArchivedChunk(BaseModel):
 
     model_config = ConfigDict(frozen=True)
     handle: str = Field(description="arc- and 24 hex digits of the text's SHA-256.")
-    chunk: int = Field(description="The chunk's index in its compaction.")
+    chunk: int = Field(description="The chunk's index in its compaction; -1 for a cleared tool output or input.")
     tokens: int = Field(description="The chunk's tokens.")
     text: str = Field(description="The chunk's tokens decoded, chat markup included.")
 

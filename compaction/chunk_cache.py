@@ -39,7 +39,10 @@ from compaction.result import ChunkStats
 from compaction.views import PrefixDigests, TokenView
 
 # Options that do not change a chunk's summary once its prompt is fixed (they only move the span's ends).
-_UNSCOPED = frozenset({"keep_recent_tokens", "keep_current_turn", "carry_summary_tokens", "reuse_chunks"})
+# Options that move the span's ends or add to the head, never a chunk's summary.
+_UNSCOPED = frozenset(
+    {"keep_recent_tokens", "keep_current_turn", "carry_summary_tokens", "reuse_chunks", "clearing", "ledger_tokens"}
+)
 
 
 def digest(token_ids: Sequence[int]) -> str:

@@ -38,12 +38,14 @@ from dataclasses import dataclass, replace
 
 from compaction.archive import ArchivedChunk, archived_chunks, marker
 from compaction.checks.grounding import Source, salient_tokens
+from compaction.checks.omission import handles_in, missing, repaired
 from compaction.checks.quality import drop_seen
 from compaction.checks.validity import check_output
 from compaction.errors import NothingToCompact
 from compaction.extractive import CALL_TAG, Line, Segment, candidate_lines, segments, weights
 from compaction.history import Message
 from compaction.keep import render_kept, wrapped
+from compaction.ledger import derive, parse, render
 from compaction.options import CompactionOptions
 from compaction.plan import SUMMARY_HEADER, CompactionPlan, is_summary
 from compaction.render import rendered_tokens
@@ -164,6 +166,7 @@ def pin(chunks: Sequence[ChunkText], tokenizer: ChatTokenizer, budget: int, else
 
 
 USER_WORDS_HEADER = "The user's words, verbatim:"
+NOTHING_SUMMARISED = "(Nothing summarised: the tool output of the turns below was cleared to save context.)"
 WINDOW_SHARE = 0.075  # Codex: 20,000 tokens of a 272,000-token window
 
 
@@ -193,18 +196,34 @@ class UserWords:
         return "\n".join([USER_WORDS_HEADER, *(f"- {t}" for t in self.texts)])
 
 
+def carried_words(summary: str) -> list[str]:
+    """The user's words an earlier compaction's head kept (its USER_WORDS_HEADER block, as `UserWords.render`
+    wrote it, the head's last block: one "- " item each, a message's later lines following its first)."""
+    _, found, block = summary.partition(USER_WORDS_HEADER + "\n")
+    items: list[str] = []
+    for line in block.splitlines() if found else []:
+        if line.startswith("- "):
+            items.append(line[2:])
+        elif items:
+            items[-1] += "\n" + line
+    return [item.strip() for item in items if item.strip()]
+
+
 def keep_user_words(
     messages: Sequence[Message], tokenizer: ChatTokenizer, limit: int, skip: Callable[[Message], bool]
 ) -> UserWords:
-    """The newest distinct user messages of `messages` within `limit` tokens (`skip`: earlier summaries)."""
+    """The newest distinct user messages of `messages` within `limit` tokens. `skip`: earlier summaries, whose own
+    block of the user's words is read instead (anchored: a chain of compactions keeps them, never summarised)."""
     seen: set[str] = set()
     distinct: list[str] = []
     for message in messages:
-        text = message.text().strip()
-        key = " ".join(text.lower().split())
-        if message.role == "user" and key and key not in seen and not skip(message):
-            seen.add(key)
-            distinct.append(text)
+        if message.role != "user":
+            continue
+        for text in carried_words(message.text()) if skip(message) else [message.text().strip()]:
+            key = " ".join(text.lower().split())
+            if key and key not in seen:
+                seen.add(key)
+                distinct.append(text)
     kept: list[str] = []
     used = 0
     for text in reversed(distinct):
@@ -261,15 +280,27 @@ def merge(
     archived = _archived(plan, tokenizer) if plan.options.archive else []
     if archived:  # each chunk's handle after its summary
         texts = [(text + marker(chunk.handle)).strip() for text, chunk in zip(texts, archived, strict=True)]
-    summary = "\n\n".join(text for text in texts if text)
+    cleared = plan.clearing.messages if plan.clearing is not None else ()
+    if plan.clearing is not None and plan.options.archive:
+        archived = [*archived, *plan.clearing.archived]
+    summary = "\n\n".join(text for text in texts if text) or (NOTHING_SUMMARISED if cleared else "")
     # Kept once: not again when the user's words hold it marked (a later compaction finds it there).
     marked = [t for t in plan.marked if not any(wrapped(t) in said for said in words.texts)]
-    head = "\n\n".join(part for part in (f"{SUMMARY_HEADER}\n{summary}", render_kept(marked), words.render()) if part)
-    messages = [
-        *plan.history.messages[: plan.kept_head],
-        Message(role="user", content=head),
-        *plan.history.messages[plan.kept_tail_from :],
-    ]
+    state = ledger_block(plan, tokenizer)
+    blocks = [f"{SUMMARY_HEADER}\n{summary}", render_kept(marked), state.text]
+
+    def composed(*more: str) -> list[Message]:
+        head = "\n\n".join(part for part in (*blocks, *more, words.render()) if part)  # the user's words last
+        return [
+            *plan.history.messages[: plan.kept_head],
+            Message(role="user", content=head),
+            *cleared,
+            *plan.history.messages[plan.replaces_through :],
+        ]
+
+    required = [*handles_in(plan.history.messages[plan.kept_head : plan.kept_tail_from]), *state.constraints]
+    lost = missing(required, composed())
+    messages = composed(repaired(lost))
     check_output(messages)
     compacted = rendered_tokens(messages, tokenizer, plan.tools)
     if compacted >= len(plan.history.token_ids):  # never a longer history than was sent
@@ -284,7 +315,8 @@ def merge(
         messages=messages,
         summary=summary,
         kept_head=plan.kept_head,
-        replaces_through=plan.kept_tail_from,
+        replaces_through=plan.replaces_through,
+        head_messages=plan.kept_head + 1 + len(cleared),
         stats=CompactionStats(
             strategy=opts.strategy,
             layout=opts.layout if opts.strategy == "parallel" else opts.strategy,
@@ -316,10 +348,36 @@ def merge(
             extractive_fallback_chunks=[s.index for s in stats if s.status == "extractive_fallback"],
             replicas=[s.replica for s in stats],
             archived_handles=[chunk.handle for chunk in archived],
+            cleared_tool_outputs=plan.clearing.cleared if plan.clearing is not None else 0,
+            ledger_entries=state.entries,
+            ledger_tokens=len(tokenizer.encode(state.text)) if state.text else 0,
+            omissions_repaired=len(lost),
+            cleared_tokens=plan.clearing.saved_tokens if plan.clearing is not None else 0,
             per_chunk=stats,
         ),
         archived=archived,
     )
+
+
+@dataclass(frozen=True)
+class LedgerBlock:
+    """The state ledger as the head writes it, its entries, and the user's constraints it holds (all of them)."""
+
+    text: str = ""
+    entries: int = 0
+    constraints: tuple[str, ...] = ()
+
+
+def ledger_block(plan: CompactionPlan, tokenizer: ChatTokenizer) -> LedgerBlock:
+    """The ledger of the history up to the verbatim tail: the latest earlier compaction's ledger (carried or
+    summarised again), updated by the messages this one replaces (`ledger_tokens`; none when 0)."""
+    if not plan.options.ledger_tokens:
+        return LedgerBlock()
+    earlier = (parse(m.text()) for m in reversed(plan.history.messages[: plan.kept_tail_from]) if is_summary(m))
+    prior = next((found for found in earlier if found is not None), None)
+    ledger = derive(plan.history.messages[plan.kept_head : plan.replaces_through], prior)
+    text = render(ledger, plan.options.ledger_tokens, lambda t: len(tokenizer.encode(t)))
+    return LedgerBlock(text, sum(line.startswith("- ") for line in text.splitlines()), ledger.constraints)
 
 
 def _archived(plan: CompactionPlan, tokenizer: ChatTokenizer) -> list[ArchivedChunk]:

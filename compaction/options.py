@@ -12,6 +12,7 @@ from compaction.errors import InvalidInput
 Strategy = Literal["parallel", "sequential", "extractive"]
 Layout = Literal["auto", "prefix_exact", "windowed", "prefix_exact_marked", "paper", "independent", "shared_full"]
 Variant = Literal["concise", "default", "detailed"]
+Clearing = Literal["auto", "off", "only"]
 # The layouts the layout benchmark compares (auto resolves to prefix_exact or windowed).
 LAYOUTS: tuple[Layout, ...] = ("prefix_exact", "prefix_exact_marked", "paper", "independent", "shared_full")
 VARIANTS: tuple[Variant, ...] = ("concise", "default", "detailed")
@@ -135,6 +136,23 @@ class CompactionOptions(BaseModel):
         description="Archive each summarised chunk verbatim (per tenant, where the service has an archive) and write "
         "its handle after its summary ([archived: arc-…]); the agent recalls it through the service's MCP endpoint "
         "(recall, search_history). The stats list the handles stored.",
+    )
+    clearing: Clearing = Field(
+        "off",
+        description="Old tool output cleared before anything is summarised (compaction.clearing): each tool result "
+        "of the span becomes a one-line stub (its size, how it began, and with archive its handle), long tool-call "
+        "arguments too. auto: the newest turns of the span cleared and kept, the older ones summarised, as much "
+        "cleared as fits the room a summary of the whole span would take (no model call when all of it fits); "
+        "only: the whole span cleared, nothing summarised; off: summaries only.",
+    )
+    ledger_tokens: int = Field(
+        0,
+        ge=0,
+        le=65_536,
+        description="A state ledger in the compacted head, kept verbatim and carried across compactions "
+        "(compaction.ledger): files read and modified, commands and their outcome, open errors, the task list, the "
+        "user's constraints, the agent's decisions; at most this many tokens (the oldest entries go first, the "
+        "constraints last). 0: no ledger.",
     )
     fixed_output_tokens: bool = Field(
         False,

@@ -15,6 +15,7 @@ from typing import Any
 from compaction.checks.sources import ChunkSources
 from compaction.checks.validity import check_history, turn_start
 from compaction.chunk_cache import ChunkCache, scope_of
+from compaction.clearing import Clearing, tiers
 from compaction.errors import ContextOverflow, InvalidInput, NothingToCompact
 from compaction.history import Message, parse_messages, template_view
 from compaction.keep import check_kept, marked_to_keep
@@ -52,6 +53,12 @@ class CompactionPlan:
     sources: ChunkSources | None = None  # what each chunk's summary may state, built in one pass over the history
     marked: tuple[str, ...] = ()  # the span's <keep>…</keep> texts (compaction.keep), written in the head
     tools: tuple[Mapping[str, Any], ...] | None = None  # the agent's tool list, rendered with the history
+    clearing: Clearing | None = None  # the turns after the summarised span, their tool output cleared (`clearing`)
+
+    @property
+    def replaces_through(self) -> int:
+        """The first message kept as it was sent (after the summary and the cleared turns)."""
+        return self.clearing.end if self.clearing is not None else self.kept_tail_from
 
 
 @dataclass(frozen=True)
@@ -85,13 +92,17 @@ class Planner:
         if self.limits is not None:
             self.limits.check_history(len(history.token_ids))
         system, head, summaries, tail_from = kept_ends(history, opts, prefer_tail_from)
+        clearing = tiers(history, head, tail_from, opts, self.tokenizer)
+        tail_from = clearing.start if clearing is not None else tail_from  # the summarised span ends there
         marked = marked_to_keep(history.messages[head:tail_from])
         check_kept(marked, self.tokenizer, self.context_window)
         starts = (*history.message_starts, len(history.token_ids))
         span = (starts[head], starts[tail_from])
         scope = scope_of(opts, namespace)
-        if opts.strategy == "sequential":
-            chunks: tuple[Chunk, ...] = (Chunk(0, *span),)
+        if span[0] == span[1]:
+            chunks: tuple[Chunk, ...] = ()  # all of it cleared: nothing to summarise
+        elif opts.strategy == "sequential":
+            chunks = (Chunk(0, *span),)
         else:
             # Summaries summarised again (not carried) form chunks of their own: a second level.
             chunks = self._partition(history, opts, span, [starts[summaries]] if head < summaries else [], scope)
@@ -102,10 +113,11 @@ class Planner:
             )
         carried = starts[head] - starts[system]
         sources = ChunkSources(history, self.tokenizer, [c.end for c in chunks])
-        if opts.strategy == "extractive":
+        if opts.strategy == "extractive" or not chunks:
             return CompactionPlan(
-                opts, history, head, tail_from, carried, scope, span, chunks, (), (), 0, 1, sources, marked, listed
-            )
+                opts, history, head, tail_from, carried, scope, span, chunks, (), (), 0, 1, sources, marked, listed,
+                clearing,
+            )  # fmt: skip
         laid = lay_out(history, self.tokenizer, opts, chunks, span[1], self.context_window, self.block_size)
         check_window((*laid.prompts, *laid.strict_prompts), laid.options, self.context_window)
         return CompactionPlan(
@@ -124,6 +136,7 @@ class Planner:
             sources,
             marked,
             listed,
+            clearing,
         )
 
     def _partition(

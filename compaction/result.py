@@ -121,6 +121,17 @@ class CompactionStats(BaseModel):
         default_factory=list, description="With archive: the handles of the chunks stored, in chunk order."
     )
     archive_note: str | None = Field(None, description="With archive: why the chunks were not stored, if not.")
+    cleared_tool_outputs: int = Field(
+        0, description="With clearing: tool results and tool-call inputs replaced by a stub in the kept turns."
+    )
+    cleared_tokens: int = Field(0, description="With clearing: tokens the stubs saved (estimated per message).")
+    ledger_entries: int = Field(0, description="With ledger_tokens: entries of the state ledger in the head.")
+    ledger_tokens: int = Field(0, description="With ledger_tokens: tokens of the state ledger block.")
+    omissions_repaired: int = Field(
+        0,
+        description="Archive handles of the summarised span and constraints of the ledger that the compacted history "
+        "had lost, written back verbatim in its head by the omission check.",
+    )
     per_chunk: list[ChunkStats]
 
 
@@ -133,8 +144,12 @@ class CompactionResult(BaseModel):
     )
     replaces_through: int = Field(
         0,
-        description="Index of the first input message kept verbatim after the summary: "
-        "messages == input[:kept_head] + [summary] + input[replaces_through:].",
+        description="Index of the first input message kept as it was sent: "
+        "messages == messages[:head_messages] + input[replaces_through:].",
+    )
+    head_messages: int = Field(
+        description="Leading messages that stand for input[:replaces_through]: the kept head, the summary, and the "
+        "turns kept with their tool output cleared (clearing): messages[:kept_head] == input[:kept_head].",
     )
     stats: CompactionStats
     archived: list[ArchivedChunk] = Field(

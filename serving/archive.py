@@ -21,6 +21,7 @@ import pyarrow.fs as pafs
 from pydantic import BaseModel, ConfigDict, Field
 
 from compaction.archive import HANDLE, ArchivedChunk, without_markers
+from compaction.history import Message
 from compaction.result import CompactionResult
 
 logger = logging.getLogger(__name__)
@@ -143,10 +144,8 @@ def stored(archive: Archive | None, tenant: str, session: str | None, chunks: Se
 
 def without_handles(result: CompactionResult, note: str) -> CompactionResult:
     """`result` as if it had not been archived: no handle in its summary, `note` saying why."""
-    at = result.kept_head  # the summary message
-    head = result.messages[at]
-    if isinstance(head.content, str):
-        head = head.model_copy(update={"content": without_markers(head.content)})
+    at, end = result.kept_head, result.head_messages  # the summary message, then the turns cleared
     stats = result.stats.model_copy(update={"archived_handles": [], "archive_note": note})
-    messages = [*result.messages[:at], head, *result.messages[at + 1 :]]
+    unmarked = [Message.model_validate_json(without_markers(m.model_dump_json())) for m in result.messages[at:end]]
+    messages = [*result.messages[:at], *unmarked, *result.messages[end:]]
     return result.model_copy(update={"messages": messages, "summary": without_markers(result.summary), "stats": stats})

@@ -267,7 +267,7 @@ class SessionCompactions:
         is already waiting for it: that turn's own prefill does it), so the turn that applies it reads it there."""
         result = await compaction
         if isinstance(result, ServiceResult) and self._warm is not None and job.session_id and not urgent.is_set():
-            prompt = spliced(result.messages[: result.kept_head + 1], result.replaces_through, job.messages)
+            prompt = spliced(result.messages[: result.head_messages], result.replaces_through, job.messages)
             with contextlib.suppress(CompactionError):  # a cache warm-up only; the turn prefills it otherwise
                 await self._warm(job.model, prompt, job.session_id, job.cache_salt)
         return result
@@ -302,14 +302,19 @@ class SessionCompactions:
             result = await self._compact(self._job(turn, turn.messages, prefer=prefer), asyncio.Event())
             if turn.entry.apply_background == "rolling" and result.stats.reused_chunks:
                 source = "background"  # made of summaries rolled in the background (and the chunks that were not)
-        head, through = result.messages[: result.kept_head + 1], result.replaces_through
+        head, through = result.messages[: result.head_messages], result.replaces_through
         prompt = spliced(head, through, turn.messages)
         tokens = prompt_tokens(prompt, tokenizer, turn.tools)
         if tokens > turn.entry.compact_threshold:  # the history grew past the threshold again since the snapshot
-            result = await self._compact(self._job(turn, prompt), asyncio.Event())
-            head, through = _compose(result, len(head), through, prompt)
-            prompt = spliced(head, through, turn.messages)
-            tokens = prompt_tokens(prompt, tokenizer, turn.tools)
+            try:
+                again = await self._compact(self._job(turn, prompt), asyncio.Event())
+            except NothingToCompact:  # the splice is as short as a compaction makes it: it is applied as it is
+                again = None
+            if again is not None:
+                result = again
+                head, through = _compose(result, len(head), through, prompt)
+                prompt = spliced(head, through, turn.messages)
+                tokens = prompt_tokens(prompt, tokenizer, turn.tools)
         reply_for = None
         if turn.session_id and wants_background(tokens, turn.growth, turn.entry, turn.idle_s) and self._room_for(turn):
             started = self._start(turn, prompt, message_digests(prompt), tokens)  # the compacted prompt: next snapshot
@@ -374,7 +379,7 @@ def _compose(
     result: ServiceResult, head_len: int, through: int, prompt: Sequence[Message]
 ) -> tuple[list[Message], int]:
     """A compaction of a spliced prompt (head + request[through:]) as a head and index into the request."""
-    head = result.messages[: result.kept_head + 1]
+    head = result.messages[: result.head_messages]
     if result.replaces_through < head_len:  # part of the earlier head stayed verbatim after the new summary
         return [*head, *prompt[result.replaces_through : head_len]], through
     return head, through + result.replaces_through - head_len

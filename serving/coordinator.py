@@ -112,8 +112,12 @@ class ServiceResult(BaseModel):
         description="Leading input messages kept verbatim before the summary (system messages, carried summaries)."
     )
     replaces_through: int = Field(
-        description="Index of the first input message kept verbatim after the summary: "
-        "messages == input[:kept_head] + [summary] + input[replaces_through:]."
+        description="Index of the first input message kept as it was sent: "
+        "messages == messages[:head_messages] + input[replaces_through:]."
+    )
+    head_messages: int = Field(
+        description="Leading messages that stand for input[:replaces_through]: the kept head, the summary, and the "
+        "turns kept with their tool output cleared (clearing): messages[:kept_head] == input[:kept_head]."
     )
     stats: ServiceStats
 
@@ -385,5 +389,6 @@ class Coordinator:
             summary=result.summary,
             kept_head=result.kept_head,
             replaces_through=result.replaces_through,
+            head_messages=result.head_messages,
             stats=stats,
         )

@@ -64,3 +64,33 @@ async def test_a_compactions_dropped_lines_are_recalled_by_their_handle_through_
     assert (
         httpx.post(f"{url}/mcp", json=initialize, headers={**headers, **auth("sk-wrong-0123456789")}).status_code == 401
     )
+
+
+async def test_cleared_tool_output_is_recalled_verbatim_by_its_stubs_handle_and_the_ledger_heads_the_summary(
+    client: httpx.Client,
+) -> None:
+    """The tiers through the real service and engine: the newest turns' tool output cleared to stubs with handles,
+    the older turns summarised by the model, the state ledger in the head; a stub's handle recalls the output."""
+    from compaction.checks.omission import handles_in
+    from compaction.clearing import STUB
+    from compaction.history import parse_messages
+    from jobs.data.traces import coding_trace
+
+    history = coding_trace(seed=3, target_tokens=2500).messages
+    body = {"model": SERVED_MODEL, "messages": history, "chunk_tokens": 512, "max_chunk_summary_tokens": 180,
+            "clearing": "auto", "ledger_tokens": 300, "archive": True, "keep_recent_tokens": 200}  # fmt: skip
+    answer = client.post("/v1/compact", json=body)
+    assert answer.status_code == 200, answer.text
+    result = answer.json()
+    stats, messages = result["stats"], parse_messages(result["messages"])
+    assert stats["chunks"] >= 1 and stats["cleared_tool_outputs"] >= 1  # both tiers ran
+    assert messages[result["head_messages"] :] == parse_messages(history)[result["replaces_through"] :]
+    head = messages[result["kept_head"]].text()
+    assert "State ledger" in head and stats["ledger_entries"] >= 2 and stats["omissions_repaired"] == 0
+    stubs = [m for m in messages if m.role == "tool" and m.text().startswith(STUB)]
+    assert stubs and set(handles_in(stubs)) <= set(stats["archived_handles"])
+    originals = {m.tool_call_id: m.text() for m in parse_messages(history) if m.role == "tool"}
+    _, (recalled,) = await mcp_calls(
+        str(client.base_url).rstrip("/"), SERVICE_KEY, ("recall", {"handle": handles_in(stubs[:1])[0]})
+    )
+    assert not recalled.is_error and recalled.content[0].text == originals[stubs[0].tool_call_id]

@@ -673,7 +673,7 @@ async def test_a_rolled_chunk_that_falls_back_after_the_threshold_raised_it_is_n
     await until(lambda: replicas.parked >= 2 * first)  # re-sent at the agent's priority, still held
     gate.set()
     outcome = await past
-    assert outcome.status == "applied" and outcome.stats is not None
+    assert outcome.status == "applied" and outcome.stats is not None, outcome.note
     asked = [tuple(r.prompt_token_ids) for b in replicas.replicas.values() for r in b.requests]
     assert len(asked) >= 2 * first and len(asked) == len(set(asked))  # the re-sent prompts, none asked again
 

@@ -107,7 +107,7 @@ def matched_options(
     plan = compactor.plan(history, options)
     words = user_words(plan, compactor.tokenizer, compactor.context_window)
     rest = summary_tokens - (len(compactor.tokenizer.encode(words.render())) if words.texts else 0)
-    chunks = 1 if options.strategy == "sequential" else len(plan.chunks)
+    chunks = 1 if options.strategy == "sequential" else max(1, len(plan.chunks))
     per_chunk = max(MIN_CHUNK_SUMMARY_TOKENS, rest // chunks)
     return options.model_copy(update={"max_chunk_summary_tokens": per_chunk})
 

@@ -111,19 +111,23 @@ def _sections(ledger: Ledger) -> list[tuple[str, list[str]]]:
 
 
 def _drop_order(ledger: Ledger) -> list[tuple[int, int]]:
-    """(section, entry) in the order the budget drops them: the oldest files, commands and decisions (from the
-    longest of the three), then finished tasks, open errors, the other tasks (last first), constraints last."""
-    sizes = {0: len(ledger.files), 1: len(ledger.commands), 5: len(ledger.decisions)}
-    left = {section: list(range(size)) for section, size in sizes.items()}
-    order: list[tuple[int, int]] = []
-    while any(left.values()):
-        section = max(left, key=lambda s: (len(left[s]), -s))
-        order.append((section, left[section].pop(0)))
+    """(section, entry) in the order the budget drops them, each kind oldest first: files only read, commands that
+    did not fail, finished tasks, failed commands, open errors (a command can be run again), decisions and next
+    steps (their reasons cannot be found again), the other tasks (last first), files modified, the constraints
+    last."""
+    failed = [i for i, run in enumerate(ledger.commands) if _failing(run)]
     finished = [i for i, t in enumerate(ledger.tasks) if t.status in FINISHED]
-    order += [(3, i) for i in finished]
-    order += [(2, i) for i in range(len(ledger.open_errors))]
-    order += [(3, i) for i in reversed(range(len(ledger.tasks))) if i not in finished]
-    return order + [(4, i) for i in range(len(ledger.constraints))]
+    return [
+        *((0, i) for i, f in enumerate(ledger.files) if f.action == "read"),
+        *((1, i) for i in range(len(ledger.commands)) if i not in failed),
+        *((3, i) for i in finished),
+        *((1, i) for i in failed),
+        *((2, i) for i in range(len(ledger.open_errors))),
+        *((5, i) for i in range(len(ledger.decisions))),
+        *((3, i) for i in reversed(range(len(ledger.tasks))) if i not in finished),
+        *((0, i) for i, f in enumerate(ledger.files) if f.action == "modified"),
+        *((4, i) for i in range(len(ledger.constraints))),
+    ]
 
 
 def _text(sections: list[tuple[str, list[str]]], dropped: set[tuple[int, int]]) -> str:
@@ -223,7 +227,7 @@ CONSTRAINT = re.compile(
 )
 DECISION = re.compile(
     r"(?<!\w)(?:decided|decision|we['’]ll|I['’]ll use|chose|going with|the plan:|the fix|instead|because"
-    r"|root cause|found it)(?!\w)",
+    r"|root cause|found it|next step)(?!\w)",
     re.I,
 )
 FENCED = re.compile(r"```.*?(?:```|\Z)", re.S)

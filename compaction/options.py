@@ -151,8 +151,8 @@ class CompactionOptions(BaseModel):
         le=65_536,
         description="A state ledger in the compacted head, kept verbatim and carried across compactions "
         "(compaction.ledger): files read and modified, commands and their outcome, open errors, the task list, the "
-        "user's constraints, the agent's decisions; at most this many tokens (the oldest entries go first, the "
-        "constraints last). 0: no ledger.",
+        "user's constraints, the agent's decisions; at most this many tokens (over it, what is easiest to find again "
+        "goes first: files only read, commands that passed; files modified and the constraints last). 0: no ledger.",
     )
     fixed_output_tokens: bool = Field(
         False,

@@ -4,31 +4,14 @@ by words; another tenant's key finds nothing of it, and no key gets a 401."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import httpx
 import pytest
 
+from jobs.bench.common import mcp_calls
 from tests.support import SERVED_MODEL, SERVICE_KEY, TENANT_KEYS, auth
 from tests.test_chat_service import coding_history
 
 pytestmark = [pytest.mark.ray, pytest.mark.engine]
-
-
-async def mcp_calls(url: str, key: str, *calls: tuple[str, dict[str, Any]]) -> tuple[set[str], list[Any]]:
-    """The tools /mcp lists for `key`, and each call's result, through the official MCP client."""
-    import httpx2
-    from mcp.client.session import ClientSession
-    from mcp.client.streamable_http import streamable_http_client
-
-    async with (
-        httpx2.AsyncClient(headers={"Authorization": f"Bearer {key}"}, timeout=60) as http,
-        streamable_http_client(f"{url}/mcp", http_client=http) as streams,
-        ClientSession(streams[0], streams[1]) as session,
-    ):
-        await session.initialize()
-        tools = {tool.name for tool in (await session.list_tools()).tools}
-        return tools, [await session.call_tool(name, arguments) for name, arguments in calls]
 
 
 async def test_a_compactions_dropped_lines_are_recalled_by_their_handle_through_mcp(client: httpx.Client) -> None:

@@ -418,10 +418,10 @@ def lines(text: str) -> int:
     return len(text.splitlines())
 
 
-def test_budget_drops_old_files_commands_and_decisions_first_and_constraints_last() -> None:
+def test_budget_drops_what_is_easiest_to_redo_first_and_constraints_last() -> None:
     ledger = Ledger(
-        files=tuple(FileTouch(f"f{i}.py", "read", "Read") for i in range(3)),
-        commands=(CommandRun("c0", "ok"), CommandRun("c1", "passed")),
+        files=(*(FileTouch(f"f{i}.py", "read", "Read") for i in range(3)), FileTouch("m0.py", "modified", "Edit")),
+        commands=(CommandRun("c0", "ok"), CommandRun("c8", "failed", "Error: y"), CommandRun("c1", "passed")),
         open_errors=(CommandRun("c9", "failed", "Error: x"),),
         tasks=(Task("t0", "pending"), Task("t1", "completed"), Task("t2", "in_progress")),
         constraints=("k0 must", "k1 never"),
@@ -433,10 +433,13 @@ def test_budget_drops_old_files_commands_and_decisions_first_and_constraints_las
         assert lines(text) <= budget
         gone += [entry for entry in ledger.entries() if entry not in text and entry not in gone]
     assert [entry.split()[1].rstrip(":") for entry in gone] == [
-        *("f0.py", "f1.py", "c0", "f2.py", "c1", "d0"),
+        *("f0.py", "f1.py", "f2.py", "c0", "c1"),  # read, and commands that did not fail
         "[completed]",  # t1
+        "c8",
         "c9",
+        "d0",
         *("[in_progress]", "[pending]"),  # t2 then t0
+        "m0.py",
         *("k0", "k1"),
     ]
 

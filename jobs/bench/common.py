@@ -65,6 +65,23 @@ class CacheReset:
         await self.coordinator.reset_prefix_cache.remote(self.model)
 
 
+async def mcp_calls(url: str, key: str | None, *calls: tuple[str, dict[str, Any]]) -> tuple[set[str], list[Any]]:
+    """The tools the service's /mcp lists for `key`, and each call's result, through the official MCP client."""
+    import httpx2
+    from mcp.client.session import ClientSession
+    from mcp.client.streamable_http import streamable_http_client
+
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    async with (
+        httpx2.AsyncClient(headers=headers, timeout=60) as http,
+        streamable_http_client(f"{url}/mcp", http_client=http) as streams,
+        ClientSession(streams[0], streams[1]) as session,
+    ):
+        await session.initialize()
+        tools = {tool.name for tool in (await session.list_tools()).tools}
+        return tools, [await session.call_tool(name, arguments) for name, arguments in calls]
+
+
 @contextmanager
 def local_service(port: int, args: dict[str, Any], quiet: bool = True) -> Iterator[tuple[LocalService, CacheReset]]:
     """The service on this machine (stopped on exit) and its cache reset."""

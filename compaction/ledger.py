@@ -18,25 +18,23 @@ opens) a path-like argument. Shell commands that write files (`sed -i`, `>`, `te
 
 from __future__ import annotations
 
-import json
 import re
-import shlex
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
+from compaction import ledger_reading as reading
 from compaction.history import Message, ToolCall
+from compaction.ledger_reading import ENTRY_CHARS as ENTRY_CHARS
+from compaction.ledger_reading import ERROR_CHARS as ERROR_CHARS
+from compaction.ledger_reading import LEDGER_HEADER, Action, CommandRun, Task
+from compaction.ledger_reading import without_ledger as without_ledger
 
-LEDGER_HEADER = "State ledger (kept verbatim, updated at each compaction):"
 SUMMARY_HEADER = "Summary of the earlier conversation (compacted):"  # compaction.plan's, which may import this
-ENTRY_CHARS = 300  # an entry's text is cut at a word border past this
-ERROR_CHARS = 120  # a failure's first error line, likewise
 MAX_COMMANDS = 40  # the most recent distinct commands kept (the render budget trims further)
 MAX_FILES = 200  # likewise, the most recently touched files
 MAX_DECISIONS = 100  # likewise, the latest decisions
 FINISHED = frozenset({"completed", "complete", "done", "cancelled", "canceled"})  # task statuses trimmed first
-
-Action = Literal["read", "modified"]
 
 
 @dataclass(frozen=True)
@@ -44,19 +42,6 @@ class FileTouch:
     path: str  # as the tool call named it
     action: Action  # "modified" once any call wrote it
     tool: str  # the last call that touched it with this action
-
-
-@dataclass(frozen=True)
-class CommandRun:
-    command: str  # the shell command, on one line
-    outcome: str  # passed, failed, exit N, ok, or "no result" when its result was not seen
-    error: str = ""  # the first error line of a failing run
-
-
-@dataclass(frozen=True)
-class Task:
-    text: str
-    status: str  # as the agent's tool wrote it, lowercased: pending, in_progress, completed, …
 
 
 @dataclass(frozen=True)
@@ -84,7 +69,6 @@ FILE_LINE = re.compile(r"^- (.+): (read|modified) \((.*)\)$")
 RUN_LINE = re.compile(r"^- (.+?) — (passed|failed|ok|no result|exit -?\d+)(?:: (.*))?$")
 TASK_LINE = re.compile(r"^- \[([^\]]*)\] (.+)$")
 TEXT_LINE = re.compile(r"^- (.+)$")
-BLOCK_END = re.compile(r"\n[ \t]*\r?\n")
 TITLES = ("Files", "Commands", "Open errors", "Tasks", "Constraints", "Decisions")
 
 
@@ -115,7 +99,7 @@ def _drop_order(ledger: Ledger) -> list[tuple[int, int]]:
     did not fail, finished tasks, failed commands, open errors (a command can be run again), decisions and next
     steps (their reasons cannot be found again), the other tasks (last first), files modified, the constraints
     last."""
-    failed = [i for i, run in enumerate(ledger.commands) if _failing(run)]
+    failed = [i for i, run in enumerate(ledger.commands) if reading.failing(run)]
     finished = [i for i, t in enumerate(ledger.tasks) if t.status in FINISHED]
     return [
         *((0, i) for i, f in enumerate(ledger.files) if f.action == "read"),
@@ -157,20 +141,10 @@ def render(ledger: Ledger, budget_tokens: int, count: Callable[[str], int]) -> s
     return _text(sections, set(order[:low]))
 
 
-def _span(text: str, last: bool = False) -> tuple[int, int] | None:
-    """Where the first (or last) ledger block starts (its header) and ends (the first blank line after it, or
-    the text's end)."""
-    start = text.rfind(LEDGER_HEADER) if last else text.find(LEDGER_HEADER)
-    if start < 0:
-        return None
-    end = BLOCK_END.search(text, start)
-    return start, end.start() if end else len(text)
-
-
 def parse(text: str) -> Ledger | None:
     """The last ledger block found in `text`, read back (a compacted head writes it after the model's summary,
     which might echo a ledger header); None when there is none. Lines it cannot read are skipped."""
-    span = _span(text, last=True)
+    span = reading.span(text, last=True)
     if span is None:
         return None
     found: dict[str, list[Any]] = {title: [] for title in TITLES}
@@ -198,215 +172,6 @@ def _entry(title: str, line: str) -> FileTouch | CommandRun | Task | str | None:
     return m[1] if m else None
 
 
-def without_ledger(text: str) -> str:
-    """`text` with every ledger block removed, and the blank lines that set it apart."""
-    while (span := _span(text)) is not None:
-        before = re.sub(r"(?:\r?\n[ \t]*)+$", "", text[: span[0]])
-        after = re.sub(r"^(?:[ \t]*\r?\n)+", "", text[span[1] :])
-        text = f"{before}\n\n{after}" if before and after else before or after
-    return text
-
-
-# ---- reading the messages --------------------------------------------------------------------------------
-
-EXIT = re.compile(
-    r"\b(?:exit(?:[ _]?code| status)\"?\s*[:=]?\s*|exited with (?:exit )?(?:code |status )?)(-?\d+)", re.I
-)
-FAILURE = re.compile(
-    r"\b[1-9]\d* (?:failed|errors?)\b|^FAILED\b|^Traceback \(most recent call last\)"
-    r"|^[\w.]*(?:Error|Exception):|^(?:error|fatal)(?:\[\w+\])?:",
-    re.M,
-)
-PASSED = re.compile(r"\b[1-9]\d* passed\b|^OK\b", re.M)
-ERROR_LINE = re.compile(
-    r"^(?:E\s+\S|FAILED\b|ERROR\b|[\w.]*(?:Error|Exception)\b|(?:error|fatal)\b)|\berror:|\b[1-9]\d* failed\b"
-)
-CONSTRAINT = re.compile(
-    r"(?<!\w)(?:must|never|always|don['’]t|do not|only|avoid|make sure|keep|required|no longer|constraints?)(?!\w)",
-    re.I,
-)
-DECISION = re.compile(
-    r"(?<!\w)(?:decided|decision|we['’]ll|I['’]ll use|chose|going with|the plan:|the fix|instead|because"
-    r"|root cause|found it|next step)(?!\w)",
-    re.I,
-)
-FENCED = re.compile(r"```.*?(?:```|\Z)", re.S)
-SENTENCE_BREAK = re.compile(r"(?<=[.!?])\s+|\n+")
-BULLET = re.compile(r"^(?:[-*•]|\d+[.)])\s+")
-PATCH_FILE = re.compile(r"^\*\*\* (?:Update|Add|Delete) File: (.+)$|^\*\*\* Move to: (.+)$|^\+\+\+ (?:b/)?(.+)$", re.M)
-PATH_KEYS = ("path", "file_path", "filepath", "filename", "notebook_path")
-SHELLS = frozenset({"bash", "sh", "zsh", "dash"})
-SEPARATORS = frozenset({"&&", "||", ";", "|", "&", "(", ")", ";;", "|&"})
-REDIRECTS = frozenset({">", ">>", "&>", "&>>", ">|"})
-OPERATOR_CHARS = frozenset("<>&|")
-
-
-def _cut(text: str, limit: int = ENTRY_CHARS) -> str:
-    """`text` on one line (whitespace collapsed, the ledger header taken out), cut at a word border past `limit`."""
-    text = " ".join(text.split())
-    while LEDGER_HEADER in text:
-        text = " ".join(text.replace(LEDGER_HEADER, " ").split())
-    if len(text) <= limit:
-        return text
-    head = text[: limit - 1]
-    space = head.rfind(" ")
-    return (head[:space] if space > limit // 2 else head).rstrip() + "…"
-
-
-def _outcome(result: str) -> tuple[str, str]:
-    """A command's outcome and, when it failed, its first error line, read from its tool result."""
-    code = EXIT.search(result)
-    if code:
-        failed = int(code[1]) != 0
-        outcome = f"exit {int(code[1])}" if failed else "passed"
-    else:
-        failed = FAILURE.search(result) is not None
-        outcome = "failed" if failed else "passed" if PASSED.search(result) else "ok"
-    return outcome, _first_error(result) if failed else ""
-
-
-def _first_error(result: str) -> str:
-    lines = [line.strip() for line in result.splitlines() if line.strip() and not EXIT.search(line)]
-    first = next((line for line in lines if ERROR_LINE.search(line)), lines[-1] if lines else "")
-    return _cut(first, ERROR_CHARS)
-
-
-def _failing(run: CommandRun) -> bool:
-    return run.outcome == "failed" or run.outcome.startswith("exit ")
-
-
-def _narrower(failing: str, passing: str) -> bool:
-    """Whether `failing` runs the program `passing` runs, with more arguments: `pytest -q` passing settles
-    `pytest tests/a.py -x -k slow`."""
-    words, theirs = passing.split(), failing.split()
-    return theirs[:1] == words[:1] and {w for w in words if not w.startswith("-")} <= set(theirs)
-
-
-def _sentences(text: str) -> Iterator[str]:
-    """The sentences of prose (fenced code and any ledger block left out), bullets stripped."""
-    for piece in SENTENCE_BREAK.split(FENCED.sub("\n", without_ledger(text))):
-        sentence = BULLET.sub("", piece.strip()).strip()
-        if sentence:
-            yield _cut(sentence)
-
-
-def _arguments(call: ToolCall) -> dict[str, Any]:
-    """The call's arguments; none when they are not a JSON object."""
-    try:
-        args = json.loads(call.function.arguments or "{}")
-    except (ValueError, RecursionError):
-        return {}
-    return args if isinstance(args, dict) else {}
-
-
-def _task_list(name: str, args: dict[str, Any]) -> tuple[Task, ...] | None:
-    """The task list a todo or plan tool wrote (TodoWrite, todowrite, update_plan), else None."""
-    items = next((args[k] for k in ("todos", "plan", "tasks") if isinstance(args.get(k), list)), None)
-    if items is None or not ("todo" in name or "plan" in name):
-        return None
-    tasks: list[Task] = []
-    for item in items:
-        fields = item if isinstance(item, dict) else {"content": item}
-        texts = [fields.get(k) for k in ("content", "step", "text", "title", "task")]
-        text = _cut(next((t for t in texts if isinstance(t, str)), ""))
-        status = fields.get("status")
-        status = _cut(re.sub(r"[\[\]]", "", status).lower(), 40) if isinstance(status, str) else ""
-        if text:
-            tasks.append(Task(text, status or "pending"))
-    return tuple(tasks)
-
-
-def _patched(patch: str) -> list[str]:
-    """The files a patch touches: Codex's `*** Update/Add/Delete File:` lines, or a unified diff's `+++` lines."""
-    paths = (next(g for g in m.groups() if g).strip() for m in PATCH_FILE.finditer(patch))
-    return [p for p in paths if p and p != "/dev/null"]
-
-
-def _patch(name: str, args: dict[str, Any], raw: str, command: str | None) -> str | None:
-    """The patch a call applies: Codex's apply_patch (its `input`, or freeform arguments), a shell command
-    running it, or any patch tool's `patch`; else None."""
-    if command is not None:
-        return command if "*** Begin Patch" in command else None
-    if "patch" not in name:
-        return None
-    text = args.get("input", args.get("patch"))
-    if isinstance(text, str):
-        return text
-    return raw if "*** Begin Patch" in raw else None
-
-
-def _command(args: dict[str, Any]) -> str | None:
-    """A shell tool's command: a string, or an argv (`["bash", "-lc", cmd]` gives cmd)."""
-    raw = args.get("command", args.get("cmd"))
-    if isinstance(raw, str):
-        return raw
-    if not (isinstance(raw, list) and raw and all(isinstance(a, str) for a in raw)):
-        return None
-    if len(raw) >= 3 and raw[0].rsplit("/", 1)[-1] in SHELLS and raw[1] in ("-c", "-lc", "-ic"):
-        return raw[2]
-    return shlex.join(raw)
-
-
-def _words(command: str) -> list[list[str]]:
-    """The simple commands of a shell line, as words (operators split off; quotes respected when balanced)."""
-    try:
-        lexer = shlex.shlex(command, posix=True, punctuation_chars=True)
-        lexer.whitespace_split = True
-        tokens = list(lexer)
-    except ValueError:
-        tokens = command.split()
-    segments: list[list[str]] = [[]]
-    for token in tokens:
-        if token in SEPARATORS:
-            segments.append([])
-        else:
-            segments[-1].append(token)
-    return [s for s in segments if s]
-
-
-def _operator(word: str) -> bool:
-    return bool(word) and set(word) <= OPERATOR_CHARS
-
-
-def _shell_writes(command: str) -> list[str]:
-    """The files a shell command plainly writes: redirect targets, and the operands of sed -i, tee, mv, rm,
-    touch and cp (its destination)."""
-    out: list[str] = []
-    for words in _words(command):
-        argv: list[str] = []
-        for before, word, after in zip(["", *words[:-1]], words, [*words[1:], ""], strict=True):
-            if _operator(word):  # a redirection; its target (or fd) is no argument
-                if word in REDIRECTS and after and not after.startswith(("&", "/dev/")):
-                    out.append(after)
-            elif not _operator(before) and not (word.isdigit() and _operator(after)):
-                argv.append(word)
-        while argv and (argv[0] == "sudo" or re.match(r"^\w+=", argv[0])):
-            argv.pop(0)
-        operands = [w for w in argv[1:] if not w.startswith("-")]
-        program = argv[0].rsplit("/", 1)[-1] if argv else ""
-        if program == "sed" and any(w.startswith(("-i", "--in-place")) for w in argv):
-            out += operands[1:]
-        elif program in ("tee", "mv", "rm", "touch"):
-            out += operands
-        elif program == "cp":
-            out += operands[-1:]
-    return out
-
-
-def _file_touches(name: str, args: dict[str, Any]) -> list[tuple[str, Action]]:
-    """The path a file tool reads or modifies, judged by its name (directory listings and searches: none)."""
-    path = next((v for k, v in args.items() if k.lower() in PATH_KEYS and isinstance(v, str) and v.strip()), None)
-    if path is None or any(w in name for w in ("dir", "folder", "search", "grep", "glob", "list")):
-        return []
-    if args.get("command") == "view":  # Anthropic's text editor tool viewing a file
-        return [(path, "read")]
-    if any(w in name for w in ("write", "edit", "patch", "create", "replace")):
-        return [(path, "modified")]
-    if any(w in name for w in ("read", "view", "open")) or "cat" in re.split(r"[\W_]+", name):
-        return [(path, "read")]
-    return []
-
-
 # ---- deriving ----------------------------------------------------------------------------------------------
 
 
@@ -423,34 +188,34 @@ class _State:
         self.pending: dict[str, str] = {}  # call id → the command awaiting its result
 
     def touch(self, path: str, action: Action, tool: str) -> None:
-        path = _cut(path)
+        path = reading.cut(path)
         if not path:
             return
         last = self.files.pop(path, None)
         if last is not None and last.action == "modified" and action == "read":
             self.files[path] = last  # modified wins; the read moves it to the end
         else:
-            self.files[path] = FileTouch(path, action, _cut(tool, 60))
+            self.files[path] = FileTouch(path, action, reading.cut(tool, 60))
         _cap(self.files, MAX_FILES)
 
     def call(self, call: ToolCall) -> None:
-        name, args = call.function.name.lower(), _arguments(call)
-        tasks = _task_list(name, args)
+        name, args = call.function.name.lower(), reading.arguments(call)
+        tasks = reading.task_list(name, args)
         if tasks is not None:
             self.tasks = tasks
             return
         shell = any(w in name for w in ("bash", "shell", "command", "exec", "terminal"))
-        command = _command(args) if shell else None
-        patch = _patch(name, args, call.function.arguments, command)
+        command = reading.command(args) if shell else None
+        patch = reading.patch(name, args, call.function.arguments, command)
         if patch is not None:
-            for path in _patched(patch):
+            for path in reading.patched(patch):
                 self.touch(path, "modified", call.function.name)
         elif command is not None:
-            for path in _shell_writes(command):
+            for path in reading.shell_writes(command):
                 self.touch(path, "modified", call.function.name)
-            self.run(_cut(command.replace(" — ", " - ")), call.id)
+            self.run(reading.cut(command.replace(" — ", " - ")), call.id)
         else:
-            for path, action in _file_touches(name, args):
+            for path, action in reading.file_touches(name, args):
                 self.touch(path, action, call.function.name)
 
     def run(self, command: str, call_id: str) -> None:
@@ -465,22 +230,22 @@ class _State:
         command = self.pending.pop(call_id, None)
         if command is None:
             return
-        run = CommandRun(command, *_outcome(text))
+        run = CommandRun(command, *reading.outcome(text))
         if command in self.commands:
             self.commands[command] = run
         self.open.pop(command, None)
-        if _failing(run):
+        if reading.failing(run):
             self.open[command] = run
             _cap(self.open, MAX_COMMANDS)
-        elif run.outcome == "passed" and PASSED.search(text):  # a passing test run settles its narrower runs
-            for settled in [c for c in self.open if _narrower(c, command)]:
+        elif run.outcome == "passed" and reading.PASSED.search(text):  # a passing test run settles its narrower runs
+            for settled in [c for c in self.open if reading.narrower(c, command)]:
                 del self.open[settled]
 
     def note(self, message: Message) -> None:
         """The user's constraints or the agent's decisions stated in a message's prose."""
-        found = CONSTRAINT if message.role == "user" else DECISION
+        found = reading.CONSTRAINT if message.role == "user" else reading.DECISION
         into = self.constraints if message.role == "user" else self.decisions
-        for sentence in _sentences(message.text()):
+        for sentence in reading.sentences(message.text()):
             if found.search(sentence):
                 into.setdefault(sentence)
         _cap(self.decisions, MAX_DECISIONS)

@@ -19,6 +19,7 @@ everything down. Quiet by default: our lines, the tables and the summaries; `--v
 from __future__ import annotations
 
 import argparse
+import asyncio
 import sys
 import time
 from pathlib import Path
@@ -140,6 +141,8 @@ def run(args: argparse.Namespace, quiet: bool) -> int:
             results[name] = compact(client, {"model": MODEL, "messages": messages, "variant": args.variant, **options})
             say(f"{name} done in {time.perf_counter() - began:.1f} s")
         episodes = play_agent(service.url, messages, tokenizer, args, reset)
+        say("a coding agent's session compacted in tiers, with the ledger and the archive")
+        tiered, recalled = asyncio.run(tiers_demo(client, service.url, tokenizer, args))
     rows = [row(name, result["stats"]) for name, result in results.items()]
     print(table(rows, list(rows[0])))
     for name in ("sequential", "parallel"):
@@ -156,7 +159,53 @@ def run(args: argparse.Namespace, quiet: bool) -> int:
         f"tool time {args.tool_time.label()} between turns):"
     )
     print(table(agent, list(agent[0])))
+    print(kept_lines(results["parallel"]["summary"], messages))
+    print(what_was_kept(tiered, recalled))
     return 0
+
+
+def kept_lines(summary: str, messages: list[dict[str, Any]], count: int = 6) -> str:
+    """The lines the parallel compaction kept word for word beside its summaries (its pinned facts)."""
+    said = "\n".join(template_view(m)["content"] for m in parse_messages(messages))
+    pinned = [ln for ln in summary.splitlines() if ": " in ln and ln.split(": ", 1)[1].strip() in said]
+    lines = "\n".join(f"    {ln[:140]}" for ln in pinned[:count]) or "    (none)"
+    return f"\nparallel: {len(pinned)} lines of the conversation kept word for word, e.g.:\n{lines}"
+
+
+async def tiers_demo(
+    client: httpx.Client, url: str, tokenizer: ChatTokenizer, args: argparse.Namespace
+) -> tuple[dict[str, Any], str]:
+    """A generated coding-agent session compacted with clearing, the ledger and the archive; one stub recalled by
+    its handle through the service's MCP endpoint."""
+    from compaction.checks.omission import handles_in
+    from compaction.clearing import STUB
+    from jobs.bench.common import mcp_calls
+
+    history = coding_trace(seed=1, target_tokens=2 * args.history_tokens, tokenizer=tokenizer).messages
+    body = {"model": MODEL, "messages": history, "clearing": "auto", "ledger_tokens": 400, "archive": True,
+            "chunk_tokens": args.chunk_tokens, "max_chunk_summary_tokens": 200, "keep_recent_tokens": 256}  # fmt: skip
+    result = await asyncio.to_thread(compact, client, body)
+    stubs = [m for m in parse_messages(result["messages"]) if m.role == "tool" and m.text().startswith(STUB)]
+    if not stubs:
+        return result, ""
+    _, (recalled,) = await mcp_calls(url, client_key(), ("recall", {"handle": handles_in(stubs[:1])[0]}))
+    return result, f"{stubs[0].text()}\n    -> recall: {recalled.content[0].text.splitlines()[0][:120]!r} (verbatim)"
+
+
+def what_was_kept(result: dict[str, Any], recalled: str) -> str:
+    """The tiered compaction's head: what it cleared, its ledger, its handles, and one recall."""
+    from compaction.ledger import LEDGER_HEADER
+
+    stats = result["stats"]
+    head = parse_messages(result["messages"])[result["kept_head"]].text()
+    ledger = head[head.find(LEDGER_HEADER) :].split("\n\n")[0] if LEDGER_HEADER in head else "(no ledger)"
+    return "\n".join([
+        f"\ncoding session, tiers: {stats['history_tokens']} -> {stats['compacted_tokens']} tokens; "
+        f"{stats['chunks']} chunks summarised, {stats['cleared_tool_outputs']} tool outputs cleared to stubs, "
+        f"{len(stats['archived_handles'])} handles in the archive, {stats['omissions_repaired']} omissions repaired",
+        *(f"    {line}" for line in ledger.splitlines()),
+        *([f"    a stub: {recalled}"] if recalled else []),
+    ])  # fmt: skip
 
 
 def play_agent(

@@ -46,7 +46,7 @@ from compaction.extractive import CALL_TAG, Line, Segment, candidate_lines, segm
 from compaction.history import Message
 from compaction.keep import render_kept, wrapped
 from compaction.ledger import derive, parse, render
-from compaction.options import CompactionOptions
+from compaction.options import LEDGER_SHARE, CompactionOptions
 from compaction.plan import SUMMARY_HEADER, CompactionPlan, is_summary
 from compaction.render import rendered_tokens
 from compaction.result import ChunkStats, CompactionResult, CompactionStats
@@ -286,7 +286,7 @@ def merge(
     summary = "\n\n".join(text for text in texts if text) or (NOTHING_SUMMARISED if cleared else "")
     # Kept once: not again when the user's words hold it marked (a later compaction finds it there).
     marked = [t for t in plan.marked if not any(wrapped(t) in said for said in words.texts)]
-    state = ledger_block(plan, tokenizer)
+    state = ledger_block(plan, tokenizer, context_window)
     blocks = [f"{SUMMARY_HEADER}\n{summary}", render_kept(marked), state.text]
 
     def composed(*more: str) -> list[Message]:
@@ -368,15 +368,17 @@ class LedgerBlock:
     constraints: tuple[str, ...] = ()
 
 
-def ledger_block(plan: CompactionPlan, tokenizer: ChatTokenizer) -> LedgerBlock:
+def ledger_block(plan: CompactionPlan, tokenizer: ChatTokenizer, context_window: int) -> LedgerBlock:
     """The ledger of the history up to the verbatim tail: the latest earlier compaction's ledger (carried or
     summarised again), updated by the messages this one replaces (`ledger_tokens`; none when 0)."""
-    if not plan.options.ledger_tokens:
+    budget = plan.options.ledger_tokens
+    budget = int(context_window * LEDGER_SHARE) if budget is None else budget
+    if not budget:
         return LedgerBlock()
     earlier = (parse(m.text()) for m in reversed(plan.history.messages[: plan.kept_tail_from]) if is_summary(m))
     prior = next((found for found in earlier if found is not None), None)
     ledger = derive(plan.history.messages[plan.kept_head : plan.replaces_through], prior)
-    text = render(ledger, plan.options.ledger_tokens, lambda t: len(tokenizer.encode(t)))
+    text = render(ledger, budget, lambda t: len(tokenizer.encode(t)))
     return LedgerBlock(text, sum(line.startswith("- ") for line in text.splitlines()), ledger.constraints)
 
 

@@ -22,6 +22,7 @@ GROUNDING_THRESHOLD = 0.7
 STRATEGIES: tuple[Strategy, ...] = ("parallel", "sequential", "extractive")
 # The paper's companion repository samples its summaries with 1.05 (docs/benchmarks.md: runaway summaries).
 REPETITION_PENALTY = 1.05
+LEDGER_SHARE = 0.05  # of the model window, the state ledger's default budget (docs/benchmarks.md: the chain)
 # Three quarters of each chunk's budget for pinned lines (docs/benchmarks.md: the retention sweep).
 PINNED_SHARE = 0.75
 
@@ -138,21 +139,22 @@ class CompactionOptions(BaseModel):
         "(recall, search_history). The stats list the handles stored.",
     )
     clearing: Clearing = Field(
-        "off",
+        "auto",
         description="Old tool output cleared before anything is summarised (compaction.clearing): each tool result "
         "of the span becomes a one-line stub (its size, how it began, and with archive its handle), long tool-call "
         "arguments too. auto: the newest turns of the span cleared and kept, the older ones summarised, as much "
         "cleared as fits the room a summary of the whole span would take (no model call when all of it fits); "
         "only: the whole span cleared, nothing summarised; off: summaries only.",
     )
-    ledger_tokens: int = Field(
-        0,
+    ledger_tokens: int | None = Field(
+        None,
         ge=0,
         le=65_536,
         description="A state ledger in the compacted head, kept verbatim and carried across compactions "
         "(compaction.ledger): files read and modified, commands and their outcome, open errors, the task list, the "
         "user's constraints, the agent's decisions; at most this many tokens (over it, what is easiest to find again "
-        "goes first: files only read, commands that passed; files modified and the constraints last). 0: no ledger.",
+        "goes first: files only read, commands that passed; files modified and the constraints last). None: 5 % of the "
+        "model window (chat-side: of compact_threshold). 0: no ledger.",
     )
     fixed_output_tokens: bool = Field(
         False,

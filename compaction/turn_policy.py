@@ -39,7 +39,7 @@ from pydantic import ConfigDict, Field, ValidationError, model_validator
 
 from compaction.errors import InvalidInput
 from compaction.history import Message
-from compaction.options import CompactionOptions
+from compaction.options import LEDGER_SHARE, CompactionOptions
 from compaction.render import rendered_views
 from compaction.tokenizer import ChatTokenizer
 
@@ -95,7 +95,8 @@ class ContextManagement(CompactionOptions):
     @model_validator(mode="before")
     @classmethod
     def _threshold_defaults(cls, data: Any) -> Any:
-        """keep_recent_tokens, carry_summary_tokens and user_words_tokens default to shares of the thresholds."""
+        """keep_recent_tokens, carry_summary_tokens, user_words_tokens and ledger_tokens default to shares of the
+        thresholds."""
         if isinstance(data, dict) and isinstance(data.get("compact_threshold"), int):
             threshold = data["compact_threshold"]
             background = data.get("background_threshold")
@@ -104,6 +105,7 @@ class ContextManagement(CompactionOptions):
                 "keep_recent_tokens": int(lowest * KEEP_RECENT_SHARE),
                 "carry_summary_tokens": int(threshold * CARRY_SHARE),
                 "user_words_tokens": int(threshold * USER_WORDS_SHARE),
+                "ledger_tokens": int(threshold * LEDGER_SHARE),
                 **data,
             }
         return data

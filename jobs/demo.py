@@ -123,9 +123,9 @@ def run(args: argparse.Namespace, quiet: bool) -> int:
     messages = truncate_history(history, tokenizer, args.history_tokens)
     say(f"{len(messages)} messages (up to {args.history_tokens} tokens) from {source}")
     per_chunk = max(16, args.summary_tokens // -(-args.history_tokens // args.chunk_tokens))
-    runs: dict[str, dict[str, Any]] = {
-        "sequential": {"strategy": "sequential", "max_chunk_summary_tokens": args.summary_tokens},
-        "parallel": {"chunk_tokens": args.chunk_tokens, "max_chunk_summary_tokens": per_chunk},
+    runs: dict[str, dict[str, Any]] = {  # the two strategies' summaries, compared (the tiers come later)
+        "sequential": {"strategy": "sequential", "max_chunk_summary_tokens": args.summary_tokens, "clearing": "off"},
+        "parallel": {"chunk_tokens": args.chunk_tokens, "max_chunk_summary_tokens": per_chunk, "clearing": "off"},
     }
     for name, options in list(runs.items()):  # the same budgets, every summary forced to its budget
         runs[f"{name}, matched decode"] = {**options, "fixed_output_tokens": True}

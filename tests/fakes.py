@@ -61,8 +61,8 @@ class FakeBackend:
         )
 
 
-# Options for tests of the model summaries alone: no pinned lines, no user words in the head.
-PLAIN = {"pinned_share": 0.0, "user_words_tokens": 0}
+# Options for tests of the model summaries alone: no pinned lines, no user words or ledger in the head, no clearing.
+PLAIN = {"pinned_share": 0.0, "user_words_tokens": 0, "clearing": "off", "ledger_tokens": 0}
 
 
 class ChatMLTokenizer:

@@ -63,7 +63,8 @@ def test_windowed_prompts_fit_and_chain_within_groups(
     tokenizer: ChatTokenizer, seed: int, window: int, chunk: int
 ) -> None:
     messages = coding_trace(seed, 3000).messages
-    plan = make(tokenizer, window).plan(messages, {"chunk_tokens": chunk, "max_chunk_summary_tokens": 64})
+    options = {"chunk_tokens": chunk, "max_chunk_summary_tokens": 64, "clearing": "off"}  # the summaries' layout
+    plan = make(tokenizer, window).plan(messages, options)
     ids, head = plan.history.token_ids, plan.span[0]
     assert plan.options.layout == "windowed" and plan.windows > 1
     for prompt in (*plan.prompts, *plan.strict_prompts):

@@ -38,7 +38,8 @@ from jobs.bench.common import MODEL, local_service, replicas
 from jobs.data.conversations import LOCOMO_PATH, load_conversation, truncate_history
 from serving.tenants import client_headers
 
-COMPACTION = {"strategy": "parallel", "chunk_tokens": 512, "max_chunk_summary_tokens": 32, "reuse_chunks": False}
+COMPACTION = {"strategy": "parallel", "chunk_tokens": 512, "max_chunk_summary_tokens": 32, "reuse_chunks": False,
+              "clearing": "off"}  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -50,26 +50,28 @@ OURS = re.compile(r"\[tool output cleared to save context: [^\n]*?\]|\[cleared: 
 CHUNK_TOKENS = 1024
 KEEP_RECENT = 256
 WORDS_SHARE, LEDGER_SHARE = 0.10, 0.15  # of the round's budget: the user's words, the ledger (tiers)
-RETRIES = 2  # compactions of a result still over the budget, each with summaries 0.6x as long
+RETRIES = 2  # compactions of a result still over the budget, each with summaries (and words, ledger) 0.6x as long
+SEQUENTIAL_MOST = 1024  # one prompt over the whole history: its summary budget must leave it room in the window
 METHODS: dict[str, dict[str, Any]] = {
     "tiers": {"clearing": "auto", "archive": True},
-    "summary": {},
+    "summary": {"clearing": "off"},
     "clearing": {"clearing": "only"},
-    "extractive": {"strategy": "extractive"},
-    "sequential": {"strategy": "sequential"},
+    "extractive": {"strategy": "extractive", "clearing": "off"},
+    "sequential": {"strategy": "sequential", "clearing": "off"},
 }
 
 
 def options(method: str, budget: int, history_tokens: int, scale: float) -> dict[str, Any]:
     """The method's options for a round whose compacted history may take `budget` tokens."""
-    words = int(budget * WORDS_SHARE)
-    ledger = int(budget * LEDGER_SHARE) if method == "tiers" else 0
+    words = int(budget * WORDS_SHARE * scale)
+    ledger = int(budget * LEDGER_SHARE * scale) if method == "tiers" else 0
     room = max(64, int((budget - words - ledger - KEEP_RECENT) * scale))
     chunks = 1 if method == "sequential" else max(1, math.ceil(history_tokens / CHUNK_TOKENS))
+    per_chunk = max(16, room // chunks)
     return {
         **METHODS[method],
         "chunk_tokens": CHUNK_TOKENS,
-        "max_chunk_summary_tokens": max(16, room // chunks),
+        "max_chunk_summary_tokens": min(per_chunk, SEQUENTIAL_MOST) if method == "sequential" else per_chunk,
         "keep_recent_tokens": KEEP_RECENT,
         "carry_summary_tokens": 0,  # every earlier head is compacted again: the budget holds each round
         "user_words_tokens": words,

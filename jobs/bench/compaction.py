@@ -59,7 +59,7 @@ async def layouts_runs(compactor: Compactor, backend: Any, messages: list, args:
     pairs = [("sequential", None)] + [("parallel", layout) for layout in LAYOUTS]
     for cache in ("cold", "warm"):
         for strategy, layout in pairs:
-            options: dict[str, Any] = {"strategy": strategy, "chunk_tokens": args.chunk_tokens}
+            options: dict[str, Any] = {"strategy": strategy, "chunk_tokens": args.chunk_tokens, "clearing": "off"}
             options["max_chunk_summary_tokens"] = args.chunk_summary_tokens * (chunks if layout is None else 1)
             if layout:
                 options["layout"] = layout
@@ -81,7 +81,7 @@ async def matched_decode(compactor: Compactor, backend: Any, messages: list, arg
         await backend.reset_prefix_cache()
         options = {
             "strategy": strategy, "chunk_tokens": args.chunk_tokens,
-            "max_chunk_summary_tokens": budget, "fixed_output_tokens": True,
+            "max_chunk_summary_tokens": budget, "fixed_output_tokens": True, "clearing": "off",
         }  # fmt: skip
         result = await compactor.compact(messages, options)
         rows.append(bench_row(result.stats, "cold/matched"))

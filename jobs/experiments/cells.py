@@ -136,7 +136,7 @@ async def retention_rows(
     history = parse_messages(known.messages)
     plan = compactor.plan(history, matched_options(compactor, history, cell.compaction_options(), cell.summary_tokens))
     result = await compactor.run(plan)
-    facts = [f for f in known.facts if plan.kept_head <= f.message_index < plan.kept_tail_from]
+    facts = [f for f in known.facts if plan.kept_head <= f.message_index < plan.replaces_through]
     grader = Judge(load_tokenizer(judge.tokenizer_path), judge.backend_factory()) if judge else None
     try:
         window, budget = access.context_window, cell.answer_tokens

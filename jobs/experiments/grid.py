@@ -238,8 +238,9 @@ class Cell(BaseModel):
     def compaction_options(self) -> CompactionOptions:
         parallel = self.strategy == "parallel"
         threshold = {} if self.grounding_threshold is None else {"grounding_threshold": self.grounding_threshold}
+        summaries_only = {"clearing": "off", "ledger_tokens": 0}  # the sweep compares the summaries (unless overridden)
         return CompactionOptions(
-            **(self.overrides or {}),
+            **{**summaries_only, **(self.overrides or {})},
             **threshold,
             strategy=self.strategy,
             chunk_tokens=self.chunk_tokens or CompactionOptions.model_fields["chunk_tokens"].default,

@@ -3,7 +3,8 @@
 Most of a coding agent's history is tool output it has read already (the JetBrains study: 84 % of the
 tokens). With the option `clearing`, a compaction first replaces the tool results of the span it
 compacts by a one-line stub (how long it was, how it began, and with `archive`, the handle it is recalled
-by), and long string arguments of the tool calls likewise (an edit's old and new text; a path stays); the
+by; it quotes the output's first line and the line that names the most), and long string arguments of the
+tool calls likewise (an edit's old and new text; a path stays); the
 agent's own words, its calls and the user's messages stay verbatim.
 
 `auto` (tiers): the newest turns of the span are cleared and kept, the older ones summarised as before,
@@ -20,6 +21,7 @@ import math
 from dataclasses import dataclass
 
 from compaction.archive import ArchivedChunk, handle_of, marker
+from compaction.checks.grounding import salient_tokens
 from compaction.history import Message, ToolCall
 from compaction.keep import holds_marked
 from compaction.options import CompactionOptions
@@ -29,7 +31,7 @@ from compaction.tokenizer import ChatTokenizer
 STUB = "[tool output cleared to save context"
 MIN_CLEARED_TOKENS = 48  # shorter output stays: its stub would save little
 INPUT_CHARS = 400  # a tool call's string argument longer than this is cleared too
-FIRST_LINE_CHARS = 100
+LINE_CHARS = 120  # a line a stub quotes is cut past this
 
 
 @dataclass(frozen=True)
@@ -47,15 +49,30 @@ class Clearing:
         return len(self.archived)
 
 
-def _first_line(text: str) -> str:
-    line = next((s.strip() for s in text.splitlines() if s.strip()), "")
-    return line if len(line) <= FIRST_LINE_CHARS else line[: FIRST_LINE_CHARS - 1] + "…"
+def _short(line: str) -> str:
+    line = line.strip().replace('"', "'")
+    return line if len(line) <= LINE_CHARS else line[: LINE_CHARS - 1] + "…"
+
+
+def key_line(text: str) -> str:
+    """The output's line that names the most (salient tokens: numbers, paths, identifiers; a number counts
+    once more), the first of equals; "" when no line names anything."""
+
+    def names(line: str) -> int:
+        return len(salient_tokens(line)) + any(c.isdigit() for c in line)  # a count or a port above a word
+
+    lines = [line for line in text.splitlines() if line.strip() and len(line.strip()) <= LINE_CHARS]
+    best = max(lines, key=names, default="")
+    return best.strip() if best and names(best) else ""
 
 
 def stub(text: str, tokens: int, handle: str | None) -> str:
-    """The line a cleared tool result keeps: its size, how it began and (archived) its handle."""
-    began = _first_line(text).replace('"', "'")
-    return f'{STUB}: {tokens} tokens, it began "{began}"]' + (marker(handle) if handle else "")
+    """The line a cleared tool result keeps: its size, how it began, the line that names the most (a count, a
+    port, the failing test: what the agent most likely came for) and, archived, its handle."""
+    first = next((line for line in text.splitlines() if line.strip()), "")
+    key = key_line(text)
+    held = f', it held "{_short(key)}"' if key and key != first.strip() else ""
+    return f'{STUB}: {tokens} tokens, it began "{_short(first)}"{held}]' + (marker(handle) if handle else "")
 
 
 def _cleared_result(message: Message, tokenizer: ChatTokenizer, archive: bool) -> tuple[Message, ArchivedChunk, int]:

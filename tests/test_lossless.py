@@ -8,7 +8,7 @@ import pytest
 
 from compaction.archive import handle_of
 from compaction.checks.omission import REPAIRED_HEADER, handles_in
-from compaction.clearing import MIN_CLEARED_TOKENS, STUB, stub, summary_room
+from compaction.clearing import MIN_CLEARED_TOKENS, STUB, key_line, stub, summary_room
 from compaction.compactor import Compactor
 from compaction.history import Message, parse_messages
 from compaction.ledger import LEDGER_HEADER, derive, parse
@@ -99,16 +99,20 @@ async def test_auto_clears_the_newest_turns_within_the_room_of_summaries_and_sum
     tight = await compactor.compact(trace, {**base, "max_chunk_summary_tokens": 128, "clearing": "auto"})
     assert tight.stats.cleared_tool_outputs == 0 and tight.head_messages == tight.kept_head + 1  # summaries only
     # in between: the older turns summarised, the newest cleared, no larger than summaries of it all
-    sent = len(backend.requests)
-    mid = await compactor.compact(trace, {**base, "max_chunk_summary_tokens": 200, "clearing": "auto"})
+    for budget in range(128, 600, 8):
+        sent = len(backend.requests)
+        mid = await compactor.compact(trace, {**base, "max_chunk_summary_tokens": budget, "clearing": "auto"})
+        if mid.stats.chunks and mid.stats.cleared_tool_outputs:
+            break
     assert 0 < mid.stats.chunks < off.stats.chunks and len(backend.requests) - sent == mid.stats.chunks
     assert mid.stats.cleared_tool_outputs > 0 and mid.head_messages > mid.kept_head + 1
     assert mid.messages[mid.kept_head + 1].role != "tool"  # the cleared turns start on a turn
     spliced(mid, trace)
     span = mid.stats.input_tokens  # tokens summarised
     cleared = rendered_tokens(mid.messages[mid.kept_head + 1 : mid.head_messages], tokenizer)
-    options = CompactionOptions.parse({**base, "max_chunk_summary_tokens": 200})
+    options = CompactionOptions.parse({**base, "max_chunk_summary_tokens": budget})
     assert cleared + summary_room(span, options) <= summary_room(off.stats.input_tokens, options) + 64
+    assert budget > 128  # the smallest budget summarised it all
 
 
 async def test_a_tool_result_marked_to_keep_and_short_ones_stay(tokenizer) -> None:
@@ -227,3 +231,11 @@ async def test_a_constraint_the_ledger_budget_cut_is_pinned_back_by_the_omission
     head = result.messages[result.kept_head].text()
     assert result.stats.ledger_entries == 0 and result.stats.omissions_repaired == 1
     assert REPAIRED_HEADER in head and f"- {constraint}" in head.split(REPAIRED_HEADER)[1]
+
+
+def test_a_stub_quotes_the_line_that_names_the_most() -> None:
+    output = "Scanning CI runs...\n" + "\n".join("run ok" for _ in range(30)) + "\nquarantined: 37 flaky tests\ndone"
+    kept = stub(output, 200, "arc-" + "0" * 24)
+    assert kept.startswith(f'{STUB}: 200 tokens, it began "Scanning CI runs..."')
+    assert 'it held "quarantined: 37 flaky tests"' in kept and kept.endswith("[archived: arc-" + "0" * 24 + "]")
+    assert key_line("all fine\nnothing here") == "" and "it held" not in stub("all fine\nnothing here", 60, None)

@@ -16,7 +16,7 @@ from compaction.archive import marker
 from compaction.history import Message, template_view
 
 HANDLES = re.compile(r"\barc-[0-9a-f]{24}\b")
-REPAIRED_HEADER = "Kept by the omission check (verbatim; recall a handle with the `recall` tool):"
+REPAIRED_HEADER = "Kept by the omission check (verbatim; the recall tool returns what a handle names):"
 
 
 def handles_in(messages: Iterable[Message]) -> tuple[str, ...]:

@@ -3,6 +3,7 @@
     python -m jobs.bench.chain [--seeds 2] [--rounds 5] [--tokens-per-round 4000] [--budget 0.30]
                                [--methods tiers,summary,clearing,extractive,sequential] [--url URL]
                                [--out results/chain.parquet] [--plot docs/chain-retention.png]
+    python -m jobs.bench.chain --report results/chain.parquet [more.parquet]     (the table and plot again)
     ray job submit --working-dir . -- python -m jobs.bench.chain --url http://<service>:8000
 
 Sessions from `jobs.data.canaries` (coding and data-analysis agents; a safety rule, a constraint, a fact in a
@@ -223,7 +224,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--url", default=None, help="a running service (default: start one here)")
     parser.add_argument("--out", type=Path, default=Path("results/chain.parquet"))
     parser.add_argument("--plot", type=Path, default=Path("docs/chain-retention.png"))
+    parser.add_argument(
+        "--report", type=Path, nargs="+", help="no run: the table and plot of these Parquet files (a method's rows "
+        "from a later file replace an earlier file's)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    if args.report:
+        report(read_rows(args.report), args)
+        return 0
     unknown = set(args.methods.split(",")) - set(METHODS)
     if unknown:
         parser.error(f"--methods: unknown {sorted(unknown)}; choose from {', '.join(METHODS)}")
@@ -238,14 +246,31 @@ def main(argv: list[str] | None = None) -> int:
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(pa.Table.from_pylist(rows), args.out)
+    report(rows, args)
+    say(f"rows: {args.out}")
+    return 0
+
+
+def read_rows(paths: Sequence[Path]) -> list[dict[str, Any]]:
+    import pyarrow.parquet as pq
+
+    rows: list[dict[str, Any]] = []
+    for path in paths:
+        new = pq.read_table(path).to_pylist()
+        methods = {r["method"] for r in new}
+        rows = [r for r in rows if r["method"] not in methods] + new
+    return rows
+
+
+def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    """The survival table, the size per round, and the plot."""
     lines = summarise(rows, args.rounds)
     print(table(lines, list(lines[0])))
     print(f"\ncompacted share of the original after each round (largest over the sessions; budget {args.budget:.0%}):")
     shares = sizes(rows, args.rounds)
     print(table(shares, list(shares[0])))
     plot(rows, args.plot, args.rounds)
-    say(f"rows: {args.out}; plot: {args.plot}")
-    return 0
+    say(f"plot: {args.plot}")
 
 
 if __name__ == "__main__":

@@ -183,7 +183,7 @@ async def tiers_demo(
 
     history = coding_trace(seed=1, target_tokens=2 * args.history_tokens, tokenizer=tokenizer).messages
     body = {"model": MODEL, "messages": history, "clearing": "auto", "ledger_tokens": 400, "archive": True,
-            "chunk_tokens": args.chunk_tokens, "max_chunk_summary_tokens": 200, "keep_recent_tokens": 256}  # fmt: skip
+            "chunk_tokens": args.chunk_tokens, "max_chunk_summary_tokens": 160, "keep_recent_tokens": 256}  # fmt: skip
     result = await asyncio.to_thread(compact, client, body)
     stubs = [m for m in parse_messages(result["messages"]) if m.role == "tool" and m.text().startswith(STUB)]
     if not stubs:

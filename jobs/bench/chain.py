@@ -51,6 +51,7 @@ OURS = re.compile(r"\[tool output cleared to save context: [^\n]*?\]|\[cleared: 
 CHUNK_TOKENS = 1024
 KEEP_RECENT = 256
 WORDS_SHARE, LEDGER_SHARE = 0.10, 0.15  # of the round's budget: the user's words, the ledger (tiers)
+AIM = 0.9  # the first compaction of a round is sized for this share of the budget (the model's output varies)
 RETRIES = 2  # compactions of a result still over the budget, each with summaries (and words, ledger) 0.6x as long
 SEQUENTIAL_MOST = 1024  # one prompt over the whole history: its summary budget must leave it room in the window
 METHODS: dict[str, dict[str, Any]] = {
@@ -108,7 +109,7 @@ async def run_chain(
         original_tokens = rendered_tokens(parse_messages(original), tokenizer, chain.tools)
         sent_tokens = rendered_tokens(parse_messages(history), tokenizer, chain.tools)
         budget = int(fraction * original_tokens)
-        began, scale, attempts = time.perf_counter(), 1.0, 0
+        began, scale, attempts = time.perf_counter(), AIM, 0
         while True:
             attempts += 1
             try:

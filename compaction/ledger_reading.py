@@ -73,7 +73,8 @@ ERROR_LINE = re.compile(
     r"^(?:E\s+\S|FAILED\b|ERROR\b|[\w.]*(?:Error|Exception)\b|(?:error|fatal)\b)|\berror:|\b[1-9]\d* failed\b"
 )
 CONSTRAINT = re.compile(
-    r"(?<!\w)(?:must|never|always|don['’]t|do not|only|avoid|make sure|keep|required|no longer|constraints?)(?!\w)",
+    r"(?<!\w)(?:must|never|always|don['’]t|do not|only|avoid|make sure|keep|required|no longer|constraints?"
+    r"|every|each|at least|at most|exactly|no more than)(?!\w)",
     re.I,
 )
 DECISION = re.compile(

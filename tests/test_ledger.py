@@ -473,3 +473,10 @@ def test_ledger_of_a_generated_trace() -> None:
     assert parse(text) == ledger and derive(parse_messages(trace.messages)) == ledger
     cut = next(f.message_index for f in trace.facts if f.kind == "root_cause")
     assert derive(messages[cut:], prior=parse(render(derive(messages[:cut]), 4000, len))) == ledger
+
+
+def test_a_rule_with_a_quantifier_is_a_constraint() -> None:
+    ledger = derive(
+        parse_messages([{"role": "user", "content": "Round every reported figure to two decimals. Go on."}])
+    )
+    assert ledger.constraints == ("Round every reported figure to two decimals.",)

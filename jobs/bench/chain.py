@@ -52,7 +52,7 @@ CHUNK_TOKENS = 1024
 KEEP_RECENT = 256
 WORDS_SHARE, LEDGER_SHARE = 0.10, 0.15  # of the round's budget: the user's words, the ledger (tiers)
 AIM = 0.9  # the first compaction of a round is sized for this share of the budget (the model's output varies)
-RETRIES = 2  # compactions of a result still over the budget, each with summaries (and words, ledger) 0.6x as long
+RETRIES = 3  # compactions of a result still over the budget, each with summaries (and words) half as long
 SEQUENTIAL_MOST = 1024  # one prompt over the whole history: its summary budget must leave it room in the window
 METHODS: dict[str, dict[str, Any]] = {
     "tiers": {"clearing": "auto", "archive": True},
@@ -66,7 +66,7 @@ METHODS: dict[str, dict[str, Any]] = {
 def options(method: str, budget: int, history_tokens: int, scale: float) -> dict[str, Any]:
     """The method's options for a round whose compacted history may take `budget` tokens."""
     words = int(budget * WORDS_SHARE * scale)
-    ledger = int(budget * LEDGER_SHARE * scale) if method == "tiers" else 0
+    ledger = int(budget * LEDGER_SHARE) if method == "tiers" else 0  # never shrunk: what it drops is gone for good
     room = max(64, int((budget - words - ledger - KEEP_RECENT) * scale))
     chunks = 1 if method == "sequential" else max(1, math.ceil(history_tokens / CHUNK_TOKENS))
     per_chunk = max(16, room // chunks)
@@ -120,7 +120,7 @@ async def run_chain(
             tokens = result["stats"]["compacted_tokens"]
             if tokens <= budget or method == "clearing" or attempts > RETRIES:
                 break
-            scale *= 0.6
+            scale *= 0.5
         seconds = time.perf_counter() - began
         history = result["messages"]
         text = session_text(history)

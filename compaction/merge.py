@@ -369,15 +369,15 @@ class LedgerBlock:
 
 
 def ledger_block(plan: CompactionPlan, tokenizer: ChatTokenizer, context_window: int) -> LedgerBlock:
-    """The ledger of the history up to the verbatim tail: the latest earlier compaction's ledger (carried or
-    summarised again), updated by the messages this one replaces (`ledger_tokens`; none when 0)."""
+    """The ledger of the history: the latest earlier compaction's ledger (carried or summarised again), updated by
+    every message after the kept head (`ledger_tokens`; none when 0)."""
     budget = plan.options.ledger_tokens
     budget = int(context_window * LEDGER_SHARE) if budget is None else budget
     if not budget:
         return LedgerBlock()
     earlier = (parse(m.text()) for m in reversed(plan.history.messages[: plan.kept_tail_from]) if is_summary(m))
     prior = next((found for found in earlier if found is not None), None)
-    ledger = derive(plan.history.messages[plan.kept_head : plan.replaces_through], prior)
+    ledger = derive(plan.history.messages[plan.kept_head :], prior)  # the verbatim tail too: the state is current
     text = render(ledger, budget, lambda t: len(tokenizer.encode(t)))
     return LedgerBlock(text, sum(line.startswith("- ") for line in text.splitlines()), ledger.constraints)
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import re
 import sys
 import time
 from pathlib import Path
@@ -42,6 +43,7 @@ from serving.local import quiet_http_clients
 from serving.tenants import client_key
 
 say = sayer("demo")
+PINNED = re.compile(r"^(user|assistant|tool): ")  # a pinned line's label: its speaker
 
 
 def row(name: str, stats: dict[str, Any]) -> dict[str, Any]:
@@ -167,7 +169,7 @@ def run(args: argparse.Namespace, quiet: bool) -> int:
 def kept_lines(summary: str, messages: list[dict[str, Any]], count: int = 6) -> str:
     """The lines the parallel compaction kept word for word beside its summaries (its pinned facts)."""
     said = "\n".join(template_view(m)["content"] for m in parse_messages(messages))
-    pinned = [ln for ln in summary.splitlines() if ": " in ln and ln.split(": ", 1)[1].strip() in said]
+    pinned = [ln for ln in summary.splitlines() if PINNED.match(ln) and ln.split(": ", 1)[1].strip() in said]
     lines = "\n".join(f"    {ln[:140]}" for ln in pinned[:count]) or "    (none)"
     return f"\nparallel: {len(pinned)} lines of the conversation kept word for word, e.g.:\n{lines}"
 

@@ -193,6 +193,8 @@ def plot(rows: list[dict[str, Any]], path: Path, rounds: int) -> None:
         left.plot(xs, kept, marker="o", label=method)
         right.plot(xs, shares, marker="o", label=method)
     left.set(xlabel="compaction round", ylabel="canaries kept", ylim=(0, 1.05), title="Canaries kept in the history")
+    for axis in (left, right):
+        axis.set_xticks(range(1, rounds + 1))
     right.set(xlabel="compaction round", ylabel="compacted / original tokens (max)", title="Size")
     right.axhline(0.30, color="grey", linestyle="--", linewidth=1)
     left.legend(fontsize=8)

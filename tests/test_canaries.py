@@ -15,11 +15,11 @@ from jobs.data.canaries import (
     Canary,
     ChainSession,
     SessionKind,
-    chain_session,
     invented,
     session_text,
     survives,
 )
+from jobs.data.canary_sessions import chain_session
 from jobs.data.traces import TokenCounter
 
 SESSION_KINDS: tuple[SessionKind, ...] = ("coding", "analysis")

@@ -6,7 +6,7 @@
     python -m jobs.bench.chain --report results/chain.parquet [more.parquet]     (the table and plot again)
     ray job submit --working-dir . -- python -m jobs.bench.chain --url http://<service>:8000
 
-Sessions from `jobs.data.canaries` (coding and data-analysis agents; a safety rule, a constraint, a fact in a
+Sessions from `jobs.data.canary_sessions` (coding and data-analysis agents; a safety rule, a constraint, a fact in a
 tool's output, a file modified, a decision and its reason, the next step and a task's status planted in round 1,
 more in later rounds). Each round the agent's new turns are appended to the last compacted history and the
 whole is compacted again through the service's `/v1/compact` (started here on 127.0.0.1 unless --url names one),
@@ -43,7 +43,8 @@ from compaction.history import parse_messages
 from compaction.render import rendered_tokens
 from compaction.tokenizer import ChatTokenizer, HFChatTokenizer
 from jobs.bench.common import MODEL, free_port, local_service, mcp_calls, replicas, sayer, table
-from jobs.data.canaries import KINDS, ChainSession, chain_session, invented, session_text, survives
+from jobs.data.canaries import KINDS, ChainSession, invented, session_text, survives
+from jobs.data.canary_sessions import chain_session
 
 say = sayer("chain")
 # What the service writes that no session holds: stubs, cleared arguments, handles (not invented facts).

@@ -370,11 +370,11 @@ class LedgerBlock:
 
 def ledger_block(plan: CompactionPlan, tokenizer: ChatTokenizer, context_window: int) -> LedgerBlock:
     """The ledger of the history: the latest earlier compaction's ledger (carried or summarised again), updated by
-    every message after the kept head (`ledger_tokens`; none when 0)."""
+    every message after the kept head (`ledger_tokens`; none when 0, or when no message holds a tool call)."""
     budget = plan.options.ledger_tokens
     budget = int(context_window * LEDGER_SHARE) if budget is None else budget
-    if not budget:
-        return LedgerBlock()
+    if not budget or not any(m.tool_calls for m in plan.history.messages):
+        return LedgerBlock()  # no agent at work (a conversation): the summaries and the user's words hold it
     earlier = (parse(m.text()) for m in reversed(plan.history.messages[: plan.kept_tail_from]) if is_summary(m))
     prior = next((found for found in earlier if found is not None), None)
     ledger = derive(plan.history.messages[plan.kept_head :], prior)  # the verbatim tail too: the state is current

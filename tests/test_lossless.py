@@ -239,3 +239,11 @@ def test_a_stub_quotes_the_line_that_names_the_most() -> None:
     assert kept.startswith(f'{STUB}: 200 tokens, it began "Scanning CI runs..."')
     assert 'it held "quarantined: 37 flaky tests"' in kept and kept.endswith("[archived: arc-" + "0" * 24 + "]")
     assert key_line("all fine\nnothing here") == "" and "it held" not in stub("all fine\nnothing here", 60, None)
+
+
+async def test_a_conversation_without_tool_calls_gets_no_ledger(tokenizer) -> None:
+    chat = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"I always visit city {i} because of its food."}
+            for i in range(60)]  # fmt: skip
+    compactor, _ = make(tokenizer)
+    result = await compactor.compact(chat, {"ledger_tokens": 500, "chunk_tokens": 256, "user_words_tokens": 0})
+    assert result.stats.ledger_entries == 0 and LEDGER_HEADER not in result.messages[result.kept_head].text()

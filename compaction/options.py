@@ -151,10 +151,10 @@ class CompactionOptions(BaseModel):
         ge=0,
         le=65_536,
         description="A state ledger in the compacted head of a history with tool calls, kept verbatim and carried "
-        "across compactions (compaction.ledger): files read and modified, commands and their outcome, open errors, the task list, the "
-        "user's constraints, the agent's decisions; at most this many tokens (over it, what is easiest to find again "
-        "goes first: files only read, commands that passed; files modified and the constraints last). None: 5 % of the "
-        "model window (chat-side: of compact_threshold). 0: no ledger.",
+        "across compactions (compaction.ledger): files read and modified, commands and their outcome, open errors, "
+        "the task list, the user's constraints, the agent's decisions; at most this many tokens (over it, what is "
+        "easiest to find again goes first: files only read, commands that passed; files modified and the "
+        "constraints last). None: 5 % of the model window (chat-side: of compact_threshold). 0: no ledger.",
     )
     fixed_output_tokens: bool = Field(
         False,

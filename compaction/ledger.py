@@ -1,7 +1,8 @@
 """The state ledger of a coding agent's session, derived from the chat history without a model.
 
-Files read or modified, shell commands with their last outcome, the errors still open, the latest task
-list, the user's constraints and the agent's decisions, one line per entry. A compaction writes the
+Files read or modified, shell commands and queries with their last outcome (a failure's first error line,
+or what a short output found), the errors still open, the latest task list, the user's constraints and
+the agent's decisions, one line per entry. A compaction writes the
 ledger verbatim in the head of the compacted history (`render`, under `LEDGER_HEADER`); the next one
 reads it back (`parse`) and updates it with the messages it compacts (`derive` with `prior`), so the
 ledger is anchored across a chain of compactions and never re-summarised. Later facts win: a file read
@@ -73,7 +74,7 @@ TITLES = ("Files", "Commands", "Open errors", "Tasks", "Constraints", "Decisions
 
 
 def _run_line(run: CommandRun) -> str:
-    return f"- {run.command} — {run.outcome}" + (f": {run.error}" if run.error else "")
+    return f"- {run.command} — {run.outcome}" + (f": {run.detail}" if run.detail else "")
 
 
 def _sections(ledger: Ledger) -> list[tuple[str, list[str]]]:
@@ -96,17 +97,19 @@ def _sections(ledger: Ledger) -> list[tuple[str, list[str]]]:
 
 def _drop_order(ledger: Ledger) -> list[tuple[int, int]]:
     """(section, entry) in the order the budget drops them, each kind oldest first: files only read, commands that
-    did not fail, finished tasks, failed commands, open errors (a command can be run again), decisions and next
-    steps (their reasons cannot be found again), the other tasks (last first), files modified, the constraints
-    last."""
+    did not fail and found nothing, finished tasks, failed commands, open errors (a command can be run again), what
+    short outputs found (a fact the agent asked for), decisions and next steps (their reasons cannot be found
+    again), the other tasks (last first), files modified, the constraints last."""
     failed = [i for i, run in enumerate(ledger.commands) if reading.failing(run)]
+    found = [i for i, run in enumerate(ledger.commands) if run.detail and i not in failed]
     finished = [i for i, t in enumerate(ledger.tasks) if t.status in FINISHED]
     return [
         *((0, i) for i, f in enumerate(ledger.files) if f.action == "read"),
-        *((1, i) for i in range(len(ledger.commands)) if i not in failed),
+        *((1, i) for i in range(len(ledger.commands)) if i not in failed and i not in found),
         *((3, i) for i in finished),
         *((1, i) for i in failed),
         *((2, i) for i in range(len(ledger.open_errors))),
+        *((1, i) for i in found),
         *((5, i) for i in range(len(ledger.decisions))),
         *((3, i) for i in reversed(range(len(ledger.tasks))) if i not in finished),
         *((0, i) for i, f in enumerate(ledger.files) if f.action == "modified"),
@@ -214,6 +217,8 @@ class _State:
             for path in reading.shell_writes(command):
                 self.touch(path, "modified", call.function.name)
             self.run(reading.cut(command.replace(" — ", " - ")), call.id)
+        elif (query := reading.query(name, args)) is not None:
+            self.run(reading.cut(query.replace(" — ", " - ")), call.id)
         else:
             for path, action in reading.file_touches(name, args):
                 self.touch(path, action, call.function.name)

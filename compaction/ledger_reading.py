@@ -1,6 +1,7 @@
 """What the state ledger reads from a session's tool calls and results: shell commands (a string or an argv) and
-the files they plainly write, patches and the files they touch, the paths file tools read or modify, task lists,
-a command's outcome and its first error line, and the sentences of prose that state a constraint or a decision.
+the files they plainly write, queries (SQL, Python) run the same way, patches and the files they touch, the paths
+file tools read or modify, task lists, a command's outcome with its first error line or, for a short output, what it
+found, and the sentences of prose that state a constraint or a decision.
 
 It also holds the few ledger pieces that reading needs (`Action`, `CommandRun`, `Task`, `LEDGER_HEADER`,
 `without_ledger`), so that `compaction.ledger` imports this module and never the reverse; `compaction.ledger`
@@ -21,6 +22,7 @@ from compaction.history import ToolCall
 LEDGER_HEADER = "State ledger (kept verbatim, updated at each compaction):"
 ENTRY_CHARS = 300  # an entry's text is cut at a word border past this
 ERROR_CHARS = 120  # a failure's first error line, likewise
+FINDING_LINES, FINDING_CHARS = 3, 200  # an output this short is what the command found: kept beside its outcome
 BLOCK_END = re.compile(r"\n[ \t]*\r?\n")
 
 Action = Literal["read", "modified"]
@@ -30,7 +32,7 @@ Action = Literal["read", "modified"]
 class CommandRun:
     command: str  # the shell command, on one line
     outcome: str  # passed, failed, exit N, ok, or "no result" when its result was not seen
-    error: str = ""  # the first error line of a failing run
+    detail: str = ""  # a failing run's first error line, or what a short output found (a version, a port, a count)
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,10 @@ FAILURE = re.compile(
     re.M,
 )
 PASSED = re.compile(r"\b[1-9]\d* passed\b|^OK\b", re.M)
+RULE = re.compile(r"^[-=+|:\s]*$")  # a table's rule line
+OUTPUT_HEADER = re.compile(r"^Output:\s*$", re.M)  # Codex's exec output: metadata lines, then "Output:"
+QUERY_TOOLS = ("sql", "query", "python", "repl", "eval")  # tools run like commands: their text is the command
+QUERY_KEYS = ("query", "sql", "code")
 ERROR_LINE = re.compile(
     r"^(?:E\s+\S|FAILED\b|ERROR\b|[\w.]*(?:Error|Exception)\b|(?:error|fatal)\b)|\berror:|\b[1-9]\d* failed\b"
 )
@@ -106,7 +112,8 @@ def cut(text: str, limit: int = ENTRY_CHARS) -> str:
 
 
 def outcome(result: str) -> tuple[str, str]:
-    """A command's outcome and, when it failed, its first error line, read from its tool result."""
+    """A command's outcome and its detail, read from its tool result: a failure's first error line; what a short
+    output found (not for a test run's tally)."""
     code = EXIT.search(result)
     if code:
         failed = int(code[1]) != 0
@@ -114,7 +121,25 @@ def outcome(result: str) -> tuple[str, str]:
     else:
         failed = FAILURE.search(result) is not None
         outcome = "failed" if failed else "passed" if PASSED.search(result) else "ok"
-    return outcome, _first_error(result) if failed else ""
+    if failed:
+        return outcome, _first_error(result)
+    return outcome, "" if PASSED.search(result) else finding(result)
+
+
+def finding(result: str) -> str:
+    """What a short output said, its lines joined (rule lines, exit codes and Codex's metadata left out); "" when
+    it is empty or longer than `FINDING_LINES` lines or `FINDING_CHARS` characters (a listing is looked up again)."""
+    try:
+        parsed = json.loads(result)
+    except (ValueError, RecursionError):
+        parsed = None
+    if isinstance(parsed, dict) and isinstance(parsed.get("output"), str):  # Codex's JSON exec output
+        result = parsed["output"]
+    header = OUTPUT_HEADER.search(result)
+    body = result[header.end() :] if header else result
+    lines = [line.strip() for line in body.splitlines() if not RULE.match(line) and not EXIT.search(line)]
+    text = "; ".join(lines)
+    return text if len(lines) <= FINDING_LINES and len(text) <= FINDING_CHARS else ""
 
 
 def _first_error(result: str) -> str:
@@ -185,6 +210,14 @@ def patch(name: str, args: dict[str, Any], raw: str, command: str | None) -> str
     if isinstance(text, str):
         return text
     return raw if "*** Begin Patch" in raw else None
+
+
+def query(name: str, args: dict[str, Any]) -> str | None:
+    """The text a query tool runs (`run_sql`'s query, `run_python`'s code), else None."""
+    if not any(w in name for w in QUERY_TOOLS):
+        return None
+    text = next((args[k] for k in QUERY_KEYS if isinstance(args.get(k), str)), None)
+    return text if text and text.strip() else None
 
 
 def command(args: dict[str, Any]) -> str | None:

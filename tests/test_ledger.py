@@ -193,9 +193,9 @@ def test_shell_commands_that_write_files(command: str, written: list[str]) -> No
 
 
 @pytest.mark.parametrize(
-    ("result", "outcome", "error"),
+    ("result", "outcome", "detail"),
     [
-        ("exit code: 0\nall good", "passed", ""),
+        ("exit code: 0\nall good", "passed", "all good"),
         ("Exit code 2\nusage: tool [-h]", "exit 2", "usage: tool [-h]"),
         ("Process exited with code 1\nOutput:\nfatal: not a git repository", "exit 1", "fatal: not a git repository"),
         ("the server exited with 3", "exit 3", ""),
@@ -210,18 +210,24 @@ def test_shell_commands_that_write_files(command: str, written: list[str]) -> No
         ("Error: Cannot find module 'x'", "failed", "Error: Cannot find module 'x'"),
         ("12 passed in 0.4s", "passed", ""),
         ("Ran 3 tests in 0.001s\n\nOK", "passed", ""),
-        ("0 failed, 0 errors", "ok", ""),
-        ("    except ValueError:\n        pass", "ok", ""),
-        ("total 8\na.py", "ok", ""),
+        ("0 failed, 0 errors", "ok", "0 failed, 0 errors"),
+        ("    except ValueError:\n        pass", "ok", "except ValueError:; pass"),
+        ("total 8\na.py", "ok", "total 8; a.py"),
+        ("version\n-------\nPostgreSQL 15.6\n(1 row)", "ok", "version; PostgreSQL 15.6; (1 row)"),
+        ("Exit code: 0\nWall time: 0.2 seconds\nOutput:\nPython 3.11.9", "passed", "Python 3.11.9"),
+        ('{"output": "v20.11.1", "metadata": {"exit_code": 0, "duration_seconds": 0.1}}', "passed", "v20.11.1"),
+        ("a\nb\nc\nd", "ok", ""),
+        ("word " * 60, "ok", ""),
     ],
 )
-def test_command_outcomes(result: str, outcome: str, error: str) -> None:
-    assert derive(session(("Bash", {"command": "x"}, result))).commands == (CommandRun("x", outcome, error),)
+def test_command_outcomes(result: str, outcome: str, detail: str) -> None:
+    """A failure's detail is its first error line; a short output that did not fail is what it found."""
+    assert derive(session(("Bash", {"command": "x"}, result))).commands == (CommandRun("x", outcome, detail),)
 
 
 def test_an_error_line_is_shortened() -> None:
     (run,) = derive(session(("bash", {"command": "x"}, "Error: " + "word " * 100))).commands
-    assert len(run.error) <= 120 and run.error.endswith("…") and run.error.startswith("Error: word word")
+    assert len(run.detail) <= 120 and run.detail.endswith("…") and run.detail.startswith("Error: word word")
 
 
 def test_a_command_that_passes_later_closes_its_error() -> None:
@@ -418,10 +424,34 @@ def lines(text: str) -> int:
     return len(text.splitlines())
 
 
+def test_queries_are_commands_and_their_short_results_are_found() -> None:
+    ledger = derive(
+        session(
+            ("run_sql", {"query": "SELECT MAX(ts) AS latest\nFROM analytics.events"}, "latest\n------\n2024-03-31"),
+            ("run_python", {"code": "print(len(df))"}, "2,418,906 rows"),
+            ("run_sql", {"query": "SELECT * FROM t LIMIT 9"}, "\n".join(f"row {i}" for i in range(9))),
+            ("run_python", {"code": "1/0"}, "Traceback (most recent call last):\nZeroDivisionError: division by zero"),
+            ("describe_table", {"table": "events"}, "ts timestamp"),
+        )
+    )
+    assert ledger.commands == (
+        CommandRun("SELECT MAX(ts) AS latest FROM analytics.events", "ok", "latest; 2024-03-31"),
+        CommandRun("print(len(df))", "ok", "2,418,906 rows"),
+        CommandRun("SELECT * FROM t LIMIT 9", "ok"),  # a listing: looked up again, not kept
+        CommandRun("1/0", "failed", "ZeroDivisionError: division by zero"),
+    )
+    assert parse(render(ledger, 1000, len)) == ledger
+
+
 def test_budget_drops_what_is_easiest_to_redo_first_and_constraints_last() -> None:
     ledger = Ledger(
         files=(*(FileTouch(f"f{i}.py", "read", "Read") for i in range(3)), FileTouch("m0.py", "modified", "Edit")),
-        commands=(CommandRun("c0", "ok"), CommandRun("c8", "failed", "Error: y"), CommandRun("c1", "passed")),
+        commands=(
+            CommandRun("c7", "ok", "port 6543"),
+            CommandRun("c0", "ok"),
+            CommandRun("c8", "failed", "Error: y"),
+            CommandRun("c1", "passed"),
+        ),
         open_errors=(CommandRun("c9", "failed", "Error: x"),),
         tasks=(Task("t0", "pending"), Task("t1", "completed"), Task("t2", "in_progress")),
         constraints=("k0 must", "k1 never"),
@@ -437,6 +467,7 @@ def test_budget_drops_what_is_easiest_to_redo_first_and_constraints_last() -> No
         "[completed]",  # t1
         "c8",
         "c9",
+        "c7",  # what a short output found
         "d0",
         *("[in_progress]", "[pending]"),  # t2 then t0
         "m0.py",

@@ -1,12 +1,12 @@
 """What each chunk's summary may state, for every chunk of a plan at once, in one pass over the history.
 
 The source of chunk k is the history up to the chunk's end (`compaction.extractive.segments(0, end_k)`):
-every message before it whole, then the part of the message the end cuts, without its role header
-and the word the border cuts. Built per chunk that is N passes over the history (a decode from the
-cut message's first token each time, a lower-cased copy of everything before it). Here the whole
-messages are normalised once into one shared text, and each cut message is decoded once, piece by
-piece between the chunk ends inside it, into a second shared text; a chunk's source is a prefix of
-each (`grounding.Source` searches a shared text up to an end, without copying it).
+every message before it whole, then the content of the message the end cuts, without the template's
+markup (role headers, tool-call tags) and the word the border cuts. Built per chunk that is N passes
+over the history (a decode of the cut message each time, a lower-cased copy of everything before
+it). Here the whole messages are normalised once into one shared text, and each cut message is
+decoded once, piece by piece between the chunk ends inside it, into a second shared text; a chunk's
+source is a prefix of each (`grounding.Source` searches a shared text up to an end, without copying it).
 
 The pieces of a cut message are decoded apart, so a character that a chunk end splits into two
 tokens decodes as replacement characters; everything else reads as the per-chunk decode does.
@@ -89,15 +89,18 @@ class ChunkSources:
             self._cuts[i] = self._cut(history, tokenizer, i, cut_ends)
 
     def _cut(self, history: RenderedHistory, tokenizer: ChatTokenizer, i: int, ends: list[int]) -> _Cut:
-        first, role = self._bounds[i], template_view(history.messages[i])["role"]
-        normaliser, at, offsets = _Normaliser(), first, {}
+        """Message i's text up to each end, as `segments` reads it: the view's text before the content (a tool
+        result's tag), then the content's tokens decoded (never the template's markup around them: an
+        assistant's `<tool_call>` is no source), less the word the end cuts."""
+        message, (start, stop) = history.messages[i], history.contents[i]
+        own = message.text()
+        normaliser, at, offsets = _Normaliser(), start, {}
+        normaliser.feed(template_view(message)["content"].partition(own)[0] if own else "")
         for end in ends:
-            piece = tokenizer.decode(history.token_ids[at:end])
-            if at == first and piece.split("\n", 1)[0].strip() == role:
-                piece = piece.split("\n", 1)[1] if "\n" in piece else ""
-            normaliser.feed(piece)
-            offsets[end] = normaliser.cut_end()
-            at = end
+            if min(stop, end) > at:
+                normaliser.feed(tokenizer.decode(history.token_ids[at : min(stop, end)]))
+                at = min(stop, end)
+            offsets[end] = normaliser.cut_end() if end < stop else normaliser.length
         return _Cut(normaliser.text(), offsets)
 
     def source(self, end: int, *extra: str) -> Source:

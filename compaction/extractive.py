@@ -65,6 +65,7 @@ _SENTENCE = re.compile(r"(?<=[.!?])\s+(?=[A-Z\[\"'(`])")
 _HAS_WORD = re.compile(r"\w")
 _CUT_WORD_START = re.compile(r"^\S+")
 _CUT_WORD_END = re.compile(r"\S+$")
+_LABELLED = re.compile(r"^(?:system|user|assistant|tool): ")
 _FILE = re.compile(r"\w\.[a-z]{1,5}$")
 # Dialogue (`_dialogue_score`). A message voiced by a named speaker: "Caroline: ..." at a line start.
 _SPEAKER = re.compile(r"^([A-Z][\w'-]*): ", re.MULTILINE)
@@ -318,8 +319,15 @@ def candidate_lines(parts: Sequence[Segment], weighed: Weights | None = None) ->
     return lines
 
 
-def _render(lines: Sequence[Line]) -> str:
-    return "\n".join(f"{line.label}: {line.text}" for line in sorted(lines, key=lambda x: x.position))
+def written(line: Line) -> str:
+    """A kept line as a summary writes it: after its speaker's label, unless it has one (a line pinned in an
+    earlier compaction's summary, met again when that summary is compacted: "user: assistant: …" would grow)."""
+    return line.text if _LABELLED.match(line.text) else f"{line.label}: {line.text}"
+
+
+def render_lines(lines: Sequence[Line]) -> str:
+    """Kept lines, each as `written`, in their original order."""
+    return "\n".join(written(line) for line in sorted(lines, key=lambda x: x.position))
 
 
 def select(lines: Sequence[Line], tokenizer: ChatTokenizer, budget: int, chars_per_token: float) -> str:
@@ -328,22 +336,22 @@ def select(lines: Sequence[Line], tokenizer: ChatTokenizer, budget: int, chars_p
     Lines are costed by characters (`chars_per_token`, the chunk's own ratio), and the result is
     then tokenised once and trimmed from its least salient line until it fits: one tokenizer call
     per chunk instead of one per line. If not even the best line fits, its first `budget` tokens
-    are kept, so a chunk never vanishes without a trace.
+    are kept (less the word the cut splits), so a chunk never vanishes without a trace.
     """
     ranked = sorted([line for line in lines if line.score > 0] or lines, key=lambda line: (-line.score, line.position))
     kept: list[Line] = []
     used = 0.0
     for line in ranked:
-        cost = (len(line.label) + len(line.text) + 3) / chars_per_token
+        cost = (len(written(line)) + 1) / chars_per_token
         if used + cost <= budget:
             kept.append(line)
             used += cost
-    while kept and len(tokenizer.encode(_render(kept))) > budget:
+    while kept and len(tokenizer.encode(render_lines(kept))) > budget:
         kept.remove(min(kept, key=lambda line: (line.score, -line.position)))
     if kept or not ranked:
-        return _render(kept)
-    best = ranked[0]
-    return tokenizer.decode(tokenizer.encode(f"{best.label}: {best.text}")[:budget]).strip()
+        return render_lines(kept)
+    cut = tokenizer.decode(tokenizer.encode(written(ranked[0]))[:budget]).strip()
+    return _CUT_WORD_END.sub("", cut).rstrip() or cut  # not the word the cut split ("38128" is not "38")
 
 
 def extract(history: RenderedHistory, tokenizer: ChatTokenizer, start: int, end: int, budget: int) -> str:

@@ -42,7 +42,7 @@ from compaction.checks.omission import handles_in, missing, repaired
 from compaction.checks.quality import drop_seen
 from compaction.checks.validity import check_output
 from compaction.errors import NothingToCompact
-from compaction.extractive import CALL_TAG, Line, Segment, candidate_lines, segments, weights
+from compaction.extractive import CALL_TAG, Line, Segment, candidate_lines, render_lines, segments, weights, written
 from compaction.history import Message
 from compaction.keep import render_kept, wrapped
 from compaction.ledger import derive, parse, render
@@ -128,10 +128,6 @@ def _candidates(chunks: Sequence[ChunkText], stated: Source, said: str) -> list[
     return out
 
 
-def _render(lines: Sequence[Line]) -> str:
-    return "\n".join(f"{line.label}: {line.text}" for line in sorted(lines, key=lambda x: x.position))
-
-
 def pin(chunks: Sequence[ChunkText], tokenizer: ChatTokenizer, budget: int, elsewhere: str = "") -> list[Pinned]:
     """Each chunk's summary with its pinned lines, within `budget` tokens per chunk, pooled over the chunks.
 
@@ -148,7 +144,7 @@ def pin(chunks: Sequence[ChunkText], tokenizer: ChatTokenizer, budget: int, else
     for k, line in ranked[:MAX_CANDIDATES]:
         if _repeats(line, covered, words):
             continue  # what it says, a line kept already says
-        cost = len(tokenizer.encode(f"{line.label}: {line.text}")) + 1  # + its line break
+        cost = len(tokenizer.encode(written(line))) + 1  # + its line break
         if used + cost <= room:
             kept.append((k, line))
             covered, words = Source(covered.text, line.text), words | _words(line.text)
@@ -159,7 +155,7 @@ def pin(chunks: Sequence[ChunkText], tokenizer: ChatTokenizer, budget: int, else
         if not mine:
             out.append(Pinned(chunk.summary, 0, 0))
             continue
-        lines = _render(mine)
+        lines = render_lines(mine)
         summary, dropped = _dedupe(chunk.summary, Source(lines))
         out.append(Pinned(f"{summary}\n{lines}" if summary else lines, len(mine), dropped))
     return out

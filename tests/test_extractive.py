@@ -7,7 +7,17 @@ import re
 from typing import Any
 
 from compaction.compactor import Compactor
-from compaction.extractive import CALL_TAG, candidate_lines, extract, segments, weights
+from compaction.extractive import (
+    CALL_TAG,
+    Line,
+    candidate_lines,
+    extract,
+    render_lines,
+    segments,
+    select,
+    weights,
+    written,
+)
 from compaction.history import parse_messages
 from compaction.partition import partition
 from compaction.render import RenderedHistory, render_history
@@ -222,3 +232,21 @@ def test_the_demo_conversation_keeps_both_speakers_facts_not_greetings(
     best = sorted(lines, key=lambda line: -line.score)[:6]
     assert {line.label for line in best} == {"user", "assistant"}
     assert all(line.score >= 2.0 for line in best)
+
+
+def test_a_line_too_long_for_the_budget_is_cut_before_the_word_it_splits(tokenizer: HFChatTokenizer) -> None:
+    row = "North | 2829 | 634.7 | 38128 | 750.0 | 47089 | 492.8"
+    lines = [Line(0, "tool", row, 1.0)]
+    for budget in range(4, len(tokenizer.encode(f"tool: {row}"))):
+        text = select(lines, tokenizer, budget, 4.0)
+        assert text and len(tokenizer.encode(text)) <= budget
+        assert f"tool: {row}".startswith(text)
+        assert all(word in row.split() for word in text.removeprefix("tool: ").split()), text  # no "38" of 38128
+
+
+def test_a_line_pinned_in_an_earlier_summary_keeps_its_one_label() -> None:
+    """A head compacted again holds its pinned lines ("assistant: …") in a user message: not "user: assistant: …"."""
+    again = Line(0, "user", "assistant: Decision: use weekly buckets because weekends swing.", 5.0)
+    fresh = Line(1, "assistant", "Decision: use weekly buckets because weekends swing.", 5.0)
+    assert written(again) == written(fresh) == "assistant: Decision: use weekly buckets because weekends swing."
+    assert render_lines([fresh, again]).splitlines() == [written(again)] * 2

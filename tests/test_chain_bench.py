@@ -27,6 +27,10 @@ def test_every_methods_options_are_valid_and_leave_the_room_the_budget_sets() ->
 def test_what_the_service_writes_is_not_counted_as_invented() -> None:
     text = '[tool output cleared to save context: 412 tokens, it began "x"] [archived: arc-0123456789abcdef01234567]'
     assert invented(text, "x") and not invented(OURS.sub("", text), "x")
+    brackets = '[tool output cleared to save context: 161 tokens, it began "a = b[:11]", it held "run_x(7)"]'
+    cut = 'tool: [tool output cleared to save context: 918 tokens, it began "Money", it held "get_user(49, …'
+    for stub in (brackets, cut):
+        assert invented(stub, "a = b[:11] run_x(7) Money get_user(49)") and not invented(OURS.sub("", stub), "tool")
 
 
 def row(method: str, r: int, canary: str, survived: bool, share: float) -> dict:

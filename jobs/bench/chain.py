@@ -48,7 +48,10 @@ from jobs.data.canary_sessions import chain_session
 
 say = sayer("chain")
 # What the service writes that no session holds: stubs, cleared arguments, handles (not invented facts).
-OURS = re.compile(r"\[tool output cleared to save context: [^\n]*?\]|\[cleared: \d+ chars|\barc-[0-9a-f]{24}\b")
+# A stub ends at its last `"]` (a quoted line may hold brackets), or at the line's end when a pinned copy is cut.
+OURS = re.compile(
+    r"\[tool output cleared to save context: [^\n]*?(?:\"\]|$)|\[cleared: \d+ chars|\barc-[0-9a-f]{24}\b", re.M
+)
 CHUNK_TOKENS = 1024
 KEEP_RECENT = 256
 WORDS_SHARE, LEDGER_SHARE = 0.10, 0.15  # of the round's budget: the user's words, the ledger (tiers)
@@ -140,10 +143,12 @@ async def run_chain(
                 "seconds": round(seconds, 3), "attempts": attempts, "chunks": stats["chunks"],
                 "cleared": stats["cleared_tool_outputs"], "ledger_entries": stats["ledger_entries"],
                 "omissions_repaired": stats["omissions_repaired"], "invented": len(made_up),
+                "invented_tokens": " ".join(made_up),
             })  # fmt: skip
         say(
             f"{chain.kind}/{chain.seed} {method:<10} round {r}: {tokens:>5} tokens ({tokens / original_tokens:.0%} of "
             f"{original_tokens}), {seconds:5.1f} s, kept {sum(kept)}/{len(kept)}, invented {len(made_up)}"
+            + (f" ({' '.join(made_up)})" if made_up else "")
         )
     return rows
 

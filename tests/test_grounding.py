@@ -22,6 +22,7 @@ from compaction.checks.grounding import Source, prune, salient_tokens
         # identifiers: snake case, dotted, letters with digits; ordinals become numbers
         ("Call parse_date via os.path.join, code C0042, on the 22nd.", ("parse_date", "os.path.join", "c0042", "22")),
         ('She said "it was great" on 8 May 2023.', ("it was great", "may", "2023")),
+        ('Not "what" but "GolfBridge"; run `pytest` on "retry_out".', ("golfbridge", "pytest", "retry_out")),
         ("See https://example.com/a?b=1 now.", ("https://example.com/a?b=1",)),
     ],
 )

@@ -1,7 +1,8 @@
 """Is a summary grounded in what it summarises? Salient tokens, their check, and pruning.
 
 A summary *states* salient tokens: numbers, identifiers, file paths, URLs, command flags, quoted
-strings and capitalised names. Each must occur in the source (the chunk and the history before
+strings (not one plain lower-case word in quotation marks: "what" names nothing; in backticks it is
+code) and capitalised names. Each must occur in the source (the chunk and the history before
 it, plus the prompt's own instructions); one that does not was invented by the model. Small
 models invent freely (SmolLM2 turned a coding trace into "the GolfBridge project funded by the
 NSF"), and an agent acts on what its summary says, so an invented fact is worse than a lost one.
@@ -86,7 +87,9 @@ def salient_tokens(text: str) -> tuple[str, ...]:
     for match in _CANDIDATES.finditer(text):
         quoted, url, flag, run = match.groups()
         if quoted is not None:
-            token: str | None = " ".join(quoted.lower().split())
+            words = quoted.split()
+            plain = len(words) == 1 and words[0].isalpha() and words[0].islower() and text[match.start()] != "`"
+            token: str | None = None if plain else " ".join(words).lower()  # "what" in quotes names nothing
         elif url is not None or flag is not None:
             token = (url or flag or "").lower()
         else:

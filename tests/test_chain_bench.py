@@ -29,7 +29,8 @@ def test_what_the_service_writes_is_not_counted_as_invented() -> None:
     assert invented(text, "x") and not invented(OURS.sub("", text), "x")
     brackets = '[tool output cleared to save context: 161 tokens, it began "a = b[:11]", it held "run_x(7)"]'
     cut = 'tool: [tool output cleared to save context: 918 tokens, it began "Money", it held "get_user(49, …'
-    for stub in (brackets, cut):
+    border = 'cleared to save context: 536 tokens, it began "Money", it held "logger.debug(\'in\', rounding)"]'
+    for stub in (brackets, cut, border):
         assert invented(stub, "a = b[:11] run_x(7) Money get_user(49)") and not invented(OURS.sub("", stub), "tool")
 
 

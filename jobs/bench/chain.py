@@ -48,9 +48,11 @@ from jobs.data.canary_sessions import chain_session
 
 say = sayer("chain")
 # What the service writes that no session holds: stubs, cleared arguments, handles (not invented facts).
-# A stub ends at its last `"]` (a quoted line may hold brackets), or at the line's end when a pinned copy is cut.
+# A stub ends at its last `"]` (a quoted line may hold brackets), or at the line's end when a pinned copy is cut; a
+# chunk border may have cut its opening "[tool output".
 OURS = re.compile(
-    r"\[tool output cleared to save context: [^\n]*?(?:\"\]|$)|\[cleared: \d+ chars|\barc-[0-9a-f]{24}\b", re.M
+    r"(?:\[tool )?(?:output )?cleared to save context: [^\n]*?(?:\"\]|$)|\[cleared: \d+ chars|\barc-[0-9a-f]{24}\b",
+    re.M,
 )
 CHUNK_TOKENS = 1024
 KEEP_RECENT = 256

@@ -75,3 +75,11 @@ def test_prune_drops_only_sentences_with_invented_tokens() -> None:
     assert kept == "Caroline met Melanie.\nMelanie paints on Sundays."
     assert dropped == 2
     assert Source("caroline and melanie talked; melanie paints on sundays").check(kept).ungrounded == ()
+
+
+def test_prune_drops_an_invented_quotation_that_spans_a_sentence_end() -> None:
+    text = "The run said `19 passed in 1.89s. 19 failed tests` at the end. Then it went on.\nThe fix is in src/a.py."
+    bad = tuple(t for t in salient_tokens(text) if t.startswith("19 passed"))
+    pruned, dropped = prune(text, bad)
+    assert pruned == "The fix is in src/a.py." and dropped >= 1
+    assert not set(bad) & set(salient_tokens(pruned))

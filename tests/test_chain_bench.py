@@ -8,7 +8,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from compaction.options import CompactionOptions
-from jobs.bench.chain import METHODS, OURS, SEQUENTIAL_MOST, options, read_rows, sizes, summarise
+from jobs.bench.chain import METHODS, OURS, SEQUENTIAL_MOST, around, options, read_rows, sizes, summarise
 from jobs.data.canaries import invented
 
 
@@ -55,3 +55,8 @@ def test_the_table_counts_per_type_at_the_first_and_last_round_and_a_later_file_
     pq.write_table(pa.Table.from_pylist([row("summary", 5, "fact", False, 0.25)]), tmp_path / "b.parquet")
     merged = read_rows([tmp_path / "a.parquet", tmp_path / "b.parquet"])
     assert [r["survived"] for r in merged if r["method"] == "summary"] == [False] and len(merged) == 3
+
+
+def test_an_invented_token_is_shown_where_it_occurs() -> None:
+    text = "Summary:\nThe run ended with `19 passed` today.\nNothing else."
+    assert around(text, ["19 passed"], 10) == "ded with `19 passed` today. ⏎ N" and around(text, ["absent"]) == ""

@@ -87,6 +87,13 @@ def options(method: str, budget: int, history_tokens: int, scale: float) -> dict
     }
 
 
+def around(text: str, tokens: Sequence[str], reach: int = 60) -> str:
+    """Where each invented token first occurs in the compacted text, `reach` characters either side (to trace it)."""
+    low = text.lower()
+    spots = [(low.find(t), t) for t in tokens]
+    return " | ".join(text[max(0, i - reach) : i + len(t) + reach].replace("\n", " ⏎ ") for i, t in spots if i >= 0)
+
+
 async def compact(client: httpx.AsyncClient, messages: list[dict[str, Any]], opts: dict[str, Any], tools: Any) -> Any:
     body = {"model": MODEL, "messages": messages, "tools": tools, "session_id": None, **opts}
     answer = await client.post("/v1/compact", json=body, timeout=1800)
@@ -145,7 +152,7 @@ async def run_chain(
                 "seconds": round(seconds, 3), "attempts": attempts, "chunks": stats["chunks"],
                 "cleared": stats["cleared_tool_outputs"], "ledger_entries": stats["ledger_entries"],
                 "omissions_repaired": stats["omissions_repaired"], "invented": len(made_up),
-                "invented_tokens": " ".join(made_up),
+                "invented_tokens": " ".join(made_up), "invented_context": around(text, made_up),
             })  # fmt: skip
         say(
             f"{chain.kind}/{chain.seed} {method:<10} round {r}: {tokens:>5} tokens ({tokens / original_tokens:.0%} of "

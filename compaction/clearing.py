@@ -75,9 +75,11 @@ def stub(text: str, tokens: int, handle: str | None) -> str:
     return f'{STUB}: {tokens} tokens, it began "{_short(first)}"{held}]' + (marker(handle) if handle else "")
 
 
-def _cleared_result(message: Message, tokenizer: ChatTokenizer, archive: bool) -> tuple[Message, ArchivedChunk, int]:
+def _cleared_result(
+    message: Message, tokenizer: ChatTokenizer, archive: bool, tokens: int | None
+) -> tuple[Message, ArchivedChunk, int]:
     text = message.text()
-    tokens = len(tokenizer.encode(text))
+    tokens = len(tokenizer.encode(text)) if tokens is None else tokens
     handle = handle_of(text)
     kept = stub(text, tokens, handle if archive else None)
     saved = tokens - len(tokenizer.encode(kept))
@@ -125,13 +127,14 @@ class Cleared:
     saved: int
 
 
-def clear_one(message: Message, tokenizer: ChatTokenizer, archive: bool) -> Cleared:
-    """The message with its tool output (a result, or long arguments of its calls) cleared, the originals kept."""
+def clear_one(message: Message, tokenizer: ChatTokenizer, archive: bool, tokens: int | None = None) -> Cleared:
+    """The message with its tool output (a result, or long arguments of its calls) cleared, the originals kept.
+    `tokens`: its content's tokens when known (the rendered history's), else they are counted."""
     dumped = message.model_dump(exclude_none=True)
     if holds_marked(dumped):
         return Cleared(message, (), 0)
     if message.role == "tool" and not message.text().startswith(STUB):
-        cleared, original, saved = _cleared_result(message, tokenizer, archive)
+        cleared, original, saved = _cleared_result(message, tokenizer, archive, tokens)
         return Cleared(cleared, (original,), saved) if saved >= MIN_CLEARED_TOKENS else Cleared(message, (), 0)
     if message.role == "assistant" and message.tool_calls:
         done = [(call, _cleared_call(call, tokenizer, archive)) for call in message.tool_calls]
@@ -160,7 +163,8 @@ def tiers(
     or it would take nothing)."""
     if options.clearing == "off" or tail_from <= head:
         return None
-    span = [clear_one(m, tokenizer, options.archive) for m in history.messages[head:tail_from]]
+    sizes = [b - a for a, b in history.contents] if history.contents else [None] * len(history.messages)
+    span = [clear_one(history.messages[i], tokenizer, options.archive, sizes[i]) for i in range(head, tail_from)]
     starts = (*history.message_starts, len(history.token_ids))
     start = head
     if options.clearing == "auto":  # the newest turns cleared, as many as the summaries' room allows

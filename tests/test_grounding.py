@@ -36,6 +36,7 @@ def test_salient_tokens(text: str, expected: tuple[str, ...]) -> None:
         "The user asked for help. They fixed it. Overall it went well.",  # sentence-initial capitals are not names
         "I went there at 3 and came back.",  # single digits and the pronoun I
         "e.g. this and/or that, i.e. nothing well-known.",  # abbreviations, a slash between words, hyphens
+        "It passed, But then We saw **What** it did and Why.",  # function words capitalised mid-sentence
     ],
 )
 def test_ordinary_prose_states_nothing(text: str) -> None:

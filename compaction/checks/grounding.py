@@ -1,8 +1,7 @@
 """Is a summary grounded in what it summarises? Salient tokens, their check, and pruning.
 
 A summary *states* salient tokens: numbers, identifiers, file paths, URLs, command flags, quoted
-strings (not one plain lower-case word in quotation marks: "what" names nothing; in backticks it is
-code) and capitalised names. Each must occur in the source (the chunk and the history before
+strings and capitalised names. Each must occur in the source (the chunk and the history before
 it, plus the prompt's own instructions); one that does not was invented by the model. Small
 models invent freely (SmolLM2 turned a coding trace into "the GolfBridge project funded by the
 NSF"), and an agent acts on what its summary says, so an invented fact is worse than a lost one.
@@ -10,7 +9,9 @@ NSF"), and an agent acts on what its summary says, so an invented fact is worse 
 Extraction favours precision: a capitalised word that opens a sentence is not taken as a name
 (it is capitalised by position), single digits are too common to tell anything, and the check is
 case-insensitive with word boundaries ("42" is not found inside "C0042"). The price: an invented
-plain name that only ever opens a sentence ("Bob came too.") is not checked.
+plain name that only ever opens a sentence ("Bob came too.") is not checked. Neither are one plain
+lower-case word in quotation marks ("what" names nothing; in backticks it is code) and a function
+word capitalised inside a sentence ("But", "We").
 """
 
 from __future__ import annotations
@@ -30,6 +31,17 @@ _ORDINAL = re.compile(r"(\d+)(?:st|nd|rd|th)")
 _DOTTED = re.compile(r"\w\.\w")
 _CAMEL = re.compile(r"[a-z][A-Z]")
 _ABBREVIATIONS = frozenset({"e.g", "i.e", "etc", "a.m", "p.m", "vs", "u.s"})
+# Words that name nothing even when capitalised inside a sentence ("it passed, But then We saw"): not names.
+_FUNCTION_WORDS = frozenset(
+    re.findall(
+        r"\w+",
+        "we you he she it they me us him her them my our your his its their this that these those what which who whom "
+        "whose when where why how and but or nor so yet for if then else because while although though as at by in on "
+        "of to from with without into onto about after before over under no not yes just also only all any some each "
+        "every both either neither the an is are was were be been being do does did has have had should would could "
+        "here there now very more most",
+    )
+)
 _SENTENCE_END = (".", "!", "?", ":", ";", "\n")
 _LEAD = " \t\"'“‘([*-•#>`"
 _WORD = "a-z0-9_"
@@ -76,7 +88,7 @@ def _classify(run: str, initial: bool) -> str | None:
         return lower  # camelCase, GolfBridge
     if len(run) >= 2 and run.isupper():
         return lower  # acronyms, even at a sentence start
-    if run[0].isupper() and len(run) >= 2 and not initial:
+    if run[0].isupper() and len(run) >= 2 and not initial and lower not in _FUNCTION_WORDS:
         return lower  # a capitalised name inside a sentence
     return None
 

@@ -99,15 +99,20 @@ def _repeats(line: Line, stated: Source, words: set[str]) -> bool:
 
 
 def _dedupe(summary: str, pinned: Source) -> tuple[str, int]:
-    """The summary without the sentences whose salient tokens the pinned lines all state."""
-    kept, dropped = [], 0
-    for sentence in (s for line in summary.splitlines() for s in _SENTENCE.split(line) if s.strip()):
-        tokens = salient_tokens(sentence)
-        if tokens and all(pinned.contains(t) for t in tokens):
-            dropped += 1
-        else:
-            kept.append(sentence.strip())
-    return " ".join(kept), dropped
+    """The summary without the sentences whose salient tokens the pinned lines all state, its lines kept apart (a
+    code block or a list joined into one line reads as something the model never wrote)."""
+    lines, dropped = [], 0
+    for line in summary.splitlines():
+        kept = []
+        for sentence in (s for s in _SENTENCE.split(line) if s.strip()):
+            tokens = salient_tokens(sentence)
+            if tokens and all(pinned.contains(t) for t in tokens):
+                dropped += 1
+            else:
+                kept.append(sentence.strip())
+        if kept:
+            lines.append(" ".join(kept))
+    return "\n".join(lines), dropped
 
 
 def _candidates(chunks: Sequence[ChunkText], stated: Source, said: str) -> list[tuple[int, Line]]:

@@ -102,6 +102,17 @@ def test_pinned_lines_fill_what_the_summaries_leave_and_state_nothing_twice(toke
     assert closed[0].text == "x" and closed[0].lines == 0  # nothing is pinned beside a fallback text
 
 
+def test_a_summary_keeps_its_lines_when_lines_are_pinned_beside_it(tokenizer: ChatTokenizer) -> None:
+    """A code block or a list the model wrote stays on its lines: joined into one, "``` 19 passed in 1.8s 2 failed
+    ```" would quote what no one wrote."""
+    trace = coding_trace(1, 2500, tokenizer)
+    history = _rendered(tokenizer, trace.messages)
+    parts = segments(history, tokenizer, 0, len(history.token_ids))
+    summary = "The agent ran the suite:\n```\n19 passed in 1.89s\n2 failed\n```\n- next: fix the retry cap"
+    (pinned,) = pin([ChunkText(summary, parts, len(history.token_ids), True)], tokenizer, 200)
+    assert pinned.lines > 0 and pinned.text.startswith(summary)
+
+
 def test_a_line_naming_what_another_names_is_still_pinned_when_it_says_something_new(
     tokenizer: ChatTokenizer,
 ) -> None:

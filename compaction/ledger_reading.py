@@ -129,6 +129,8 @@ def outcome(result: str) -> tuple[str, str]:
 def finding(result: str) -> str:
     """What a short output said, its lines joined (rule lines, exit codes and Codex's metadata left out); "" when
     it is empty or longer than `FINDING_LINES` lines or `FINDING_CHARS` characters (a listing is looked up again)."""
+    if len(result) > 4 * FINDING_CHARS:  # too long even with Codex's metadata: never parsed (a large JSON output)
+        return ""
     try:
         parsed = json.loads(result)
     except (ValueError, RecursionError):

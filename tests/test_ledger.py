@@ -218,6 +218,7 @@ def test_shell_commands_that_write_files(command: str, written: list[str]) -> No
         ('{"output": "v20.11.1", "metadata": {"exit_code": 0, "duration_seconds": 0.1}}', "passed", "v20.11.1"),
         ("a\nb\nc\nd", "ok", ""),
         ("word " * 60, "ok", ""),
+        ('{"output": "' + "x" * 5000 + '", "metadata": {"exit_code": 0}}', "passed", ""),
     ],
 )
 def test_command_outcomes(result: str, outcome: str, detail: str) -> None:

@@ -95,15 +95,19 @@ CPU_RULE = YieldRule(background_step_tokens=256, decode_beside=False)
 
 class Escalation:
     """A backend that sends a compaction's prompts at `priority` until `urgent` is set; from then on at the
-    agent's, re-sending what is still in flight (vLLM cannot change a running request's priority; what
-    the first send prefilled stays in the prefix cache, so the re-send reads it from there). NEXT prompts in
-    flight are not re-sent: they are never held in decode, and a re-send would lose what they decoded."""
+    agent's. What is still in flight then is sent again at the agent's priority (vLLM cannot change a running
+    request's priority; what the first send prefilled stays in the prefix cache, so the copy reads it from there).
+    `keep_first` (engines whose rule lets background work decode beside the agent's, `YieldRule.decode_beside`): the
+    first send goes on beside its copy and whichever finishes first is taken, so a prompt that was already decoding
+    keeps what it decoded; else (the CPU rule, where the copy would hold it back anyway) it is cancelled. NEXT
+    prompts in flight are not sent again: they are never held in decode."""
 
-    def __init__(self, inner: Backend, priority: int, urgent: asyncio.Event | None = None) -> None:
+    def __init__(self, inner: Backend, priority: int, urgent: asyncio.Event | None = None, keep_first: bool = False):
         self.inner = inner
         self.priority = priority
         self.urgent = urgent or asyncio.Event()
-        self.escalated = 0  # prompts re-sent at the agent's priority
+        self.keep_first = keep_first
+        self.escalated = 0  # prompts sent again at the agent's priority
 
     def current(self) -> int:
         """The priority its prompts go out at now."""
@@ -114,16 +118,34 @@ class Escalation:
             return await self.inner.generate(replace(request, priority=AGENT))
         if self.priority == NEXT:
             return await self.inner.generate(replace(request, priority=NEXT))
-        call = asyncio.ensure_future(self.inner.generate(replace(request, priority=self.priority)))
-        urgent = asyncio.ensure_future(self.urgent.wait())
+        first = asyncio.ensure_future(self.inner.generate(replace(request, priority=self.priority)))
+        calls = {first}
         try:
-            await asyncio.wait({call, urgent}, return_when=asyncio.FIRST_COMPLETED)
+            await _first_of(first, asyncio.ensure_future(self.urgent.wait()))
+            if first.done():
+                return first.result()
+            if not self.keep_first:
+                first.cancel()
+                await asyncio.wait({first})
+                if not first.cancelled():
+                    return first.result()
+            self.escalated += 1
+            calls.add(copy := asyncio.ensure_future(self.inner.generate(replace(request, priority=AGENT))))
+            while True:
+                done, _ = await asyncio.wait(calls, return_when=asyncio.FIRST_COMPLETED)
+                ok = [c for c in done if not c.cancelled() and c.exception() is None]
+                if ok or calls == done:  # one answered, or both ended: the copy's outcome is the call's
+                    return (ok[0] if ok else copy).result()
+                calls -= done  # the first send failed or was cancelled: the copy goes on alone
         finally:
-            urgent.cancel()
-            if not call.done():
+            for call in calls:
                 call.cancel()
-                await asyncio.wait({call})
-        if not call.cancelled():
-            return call.result()
-        self.escalated += 1
-        return await self.inner.generate(replace(request, priority=AGENT))
+            await asyncio.wait(calls)
+
+
+async def _first_of(call: asyncio.Future[Any], other: asyncio.Future[Any]) -> None:
+    """Until `call` or `other` is done; `other` is cancelled then."""
+    try:
+        await asyncio.wait({call, other}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        other.cancel()

@@ -115,3 +115,50 @@ async def test_a_cancelled_caller_cancels_its_call() -> None:
     inner.release.set()
     await asyncio.sleep(0.01)
     assert inner.done == []  # nothing completed behind the caller's back
+
+
+class Timed:
+    """A backend whose calls answer after a set delay each (in call order; a negative one fails after that long),
+    recording their priorities."""
+
+    def __init__(self, *delays: float) -> None:
+        self.delays = list(delays)
+        self.sent: list[int] = []
+        self.cancelled = 0
+
+    async def generate(self, request: GenerationRequest) -> Generation:
+        self.sent.append(request.priority)
+        delay = self.delays[len(self.sent) - 1]
+        try:
+            await asyncio.sleep(abs(delay))
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        if delay < 0:
+            raise BackendError("replica died")
+        return Generation(f"p{request.priority}", 1, len(request.prompt_token_ids), 0, "stop", delay)
+
+
+@pytest.mark.parametrize(("delays", "answer"), [((0.05, 5.0), "p2"), ((5.0, 0.05), "p0")])
+async def test_where_background_decodes_beside_the_agent_an_escalated_prompt_keeps_its_first_send(
+    delays: tuple[float, float], answer: str
+) -> None:
+    """`keep_first` (the GPU rule): the first send is not cancelled when a turn needs it; it goes on beside its copy
+    at the agent's priority, and whichever answers first is taken (the first send, when it was already decoding)."""
+    inner, urgent = Timed(*delays), asyncio.Event()
+    backend = Escalation(inner, BACKGROUND, urgent, keep_first=True)
+    call = asyncio.create_task(backend.generate(GenerationRequest((1, 2, 3), 4)))
+    await asyncio.sleep(0.01)
+    urgent.set()
+    assert (await call).text == answer
+    assert inner.sent == [BACKGROUND, AGENT] and backend.escalated == 1
+    assert inner.cancelled == 1  # the slower one, once the other answered
+
+
+async def test_a_kept_first_send_that_fails_leaves_its_copy_to_answer() -> None:
+    inner, urgent = Timed(-0.05, 0.2), asyncio.Event()
+    backend = Escalation(inner, BACKGROUND, urgent, keep_first=True)
+    call = asyncio.create_task(backend.generate(GenerationRequest((1,), 1)))
+    await asyncio.sleep(0.01)
+    urgent.set()
+    assert (await call).text == "p0" and inner.sent == [BACKGROUND, AGENT] and inner.cancelled == 0

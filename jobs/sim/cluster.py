@@ -13,7 +13,7 @@ from __future__ import annotations
 import zlib
 from collections.abc import Generator, Hashable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Literal
 
 import simpy
 
@@ -22,6 +22,8 @@ from jobs.sim.engine import Replica, Request, RequestKind
 from jobs.sim.profiles import EngineProfile
 from jobs.sim.shapes import PromptLengths
 from serving.routing import CostModel, PlacementInput, PlacementMode, PromptShape, place
+
+JobKind = Literal["compaction", "roll"]
 
 
 def cost_model(profile: EngineProfile, context_tokens: int = 8192) -> CostModel:
@@ -65,6 +67,8 @@ class CompactionJob:
     input_tokens: int  # tokens compacted
     targets: Sequence[int] | None = None  # replica of each chunk when already decided (validation replays)
     priority: int = AGENT  # BACKGROUND for a background compaction (compaction.pacing)
+    kind: JobKind = "compaction"  # roll: a rolling run's chunk summaries (nothing merged)
+    dispatched: list[Request] = field(default_factory=list)  # its chunk prompts, once sent
 
 
 @dataclass
@@ -72,6 +76,7 @@ class CompactionOutcome:
     """What one compaction cost."""
 
     admitted: bool  # False: refused at admission (429)
+    kind: JobKind = "compaction"
     queued_s: float = 0.0  # waiting for a coordinator slot
     latency_s: float = 0.0  # first chunk dispatched -> last chunk done
     placement: str = ""  # pinned / spread / round_robin
@@ -152,7 +157,7 @@ class Cluster:
         if self.slots is not None:
             limit = self.admission.max_queued
             if limit is not None and len(self.slots.queue) >= limit and self.slots.count >= self.slots.capacity:
-                outcome = CompactionOutcome(admitted=False, input_tokens=job.input_tokens)
+                outcome = CompactionOutcome(admitted=False, kind=job.kind, input_tokens=job.input_tokens)
                 self.outcomes.append(outcome)
                 return outcome
             slot = self.slots.request()
@@ -164,12 +169,14 @@ class Cluster:
             for r, p, out in zip(targets, job.prompts, job.output_tokens, strict=True)
         ]
         self._chunks[id(job)] = requests
+        job.dispatched.extend(requests)
         yield simpy.AllOf(self.env, [r.done for r in requests])
         del self._chunks[id(job)]
         if slot is not None and self.slots is not None:
             self.slots.release(slot)
         outcome = CompactionOutcome(
             admitted=True,
+            kind=job.kind,
             queued_s=began - arrived,
             latency_s=self.env.now - began,
             placement=kind,

@@ -16,9 +16,13 @@ Priorities follow the engines' yield rule (`compaction.pacing`, `serving.schedul
 compaction's chunk prompt, the prefill of its compacted prompt) prefills only while no agent-priority request is on
 the replica, or beside agent decode at most `background_beside_tokens` a step, and its own steps are at most
 `background_step_tokens`; an agent request that arrives takes over the prefill
-at once (in the engine it waits for one such step). Background sequences always decode beside agent ones here (the
-GPU rule; on the CPU the rule holds them back too, which the simulator does not model). `yielding=False` gives every
-request the same priority, as vLLM's FCFS scheduler does.
+at once (in the engine it waits for one such step). Background sequences decode beside agent ones where the rule
+lets them (`decode_beside`, the GPU rule); where it does not (the CPU rule) they pause while any agent request is on
+the replica and go on from where they were. A background request a waiting turn raises to the agent's priority goes
+on from what it prefilled (`compaction.pacing.Escalation` sends it again; the copy reads that from the cache); one
+already decoding keeps what it decoded where background decodes beside the agent (the first send goes on beside its
+copy) and loses it where it does not (the CPU rule: the copy decodes from its first token). `yielding=False` gives
+every request the same priority, as vLLM's FCFS scheduler does.
 
 Decode progress is one shared clock `v` (tokens decoded per sequence since start): a sequence that joins at v0 with
 n tokens to go finishes at v0 + n, so events cost O(log batch). A request's cache lookup happens when it reaches the
@@ -78,6 +82,8 @@ class ReplicaStats:
     batch_s: float = 0.0  # integral of the decoding batch size over time
     prefill_s: float = 0.0  # time with a prefill running
     requests: int = 0
+    resent: int = 0  # background requests re-sent at the agent's priority while decoding (their tokens lost)
+    resent_tokens: int = 0  # tokens those had decoded
 
 
 @dataclass(eq=False)
@@ -97,6 +103,7 @@ class Replica:
         self.prefilling: Request | None = None
         self.agent_decoding = 0
         self.decoding: list[tuple[float, int, Request]] = []  # (finish on the decode clock, tie-break, request)
+        self.paused: list[tuple[float, int, Request]] = []  # (tokens left, tie-break, request): held background decode
         self.v = 0.0  # decode clock: tokens each running sequence has decoded since the start
         self.context = 0.0  # context tokens of the decoding batch
         self._last = self.env.now
@@ -106,7 +113,8 @@ class Replica:
 
     @property
     def load(self) -> int:
-        return len(self.waiting) + len(self.held) + len(self.decoding) + (self.prefilling is not None)
+        waiting = len(self.waiting) + len(self.held) + len(self.paused)
+        return waiting + len(self.decoding) + (self.prefilling is not None)
 
     @property
     def busy(self) -> bool:
@@ -121,18 +129,34 @@ class Replica:
         self._changed()
 
     def escalate(self, request: Request) -> None:
-        """Raise a request to the agent's priority (a turn waits for its compaction)."""
+        """Raise a request to the agent's priority (a turn waits for its compaction): one still to prefill goes on
+        from what it prefilled (its copy reads that from the cache); one decoding goes on where background work decodes
+        beside the agent's (its first send is kept), else its copy decodes again from the first token."""
         if request.priority <= AGENT:
             return
         self._changing()
         if request in self.held:
             self.held.remove(request)
             self.waiting.append(request)
-        elif any(r is request for _, _, r in self.decoding):
+        elif any(r is request for _, _, r in self.decoding) and (self.rule is None or self.rule.decode_beside):
             self.agent_decoding += 1
+        elif (entry := self._decoding_entry(request)) is not None:
+            running = any(e is entry for e in self.decoding)
+            left = entry[0] - self.v if running else entry[0]
+            (self.decoding if running else self.paused).remove(entry)
+            heapq.heapify(self.decoding)
+            self.stats.resent += 1
+            self.stats.resent_tokens += round(request.output_tokens - left)
+            self.agent_decoding += 1
+            heapq.heappush(self.decoding, (self.v + request.output_tokens, entry[1], request))
+            if not running:  # it was paused: its context is back in the batch
+                self.context += request.prompt_tokens + request.output_tokens / 2
         request.priority = AGENT
         self._settle()
         self._changed()
+
+    def _decoding_entry(self, request: Request) -> tuple[float, int, Request] | None:
+        return next((e for e in (*self.decoding, *self.paused) if e[2] is request), None)
 
     def _queue(self, request: Request) -> deque[Request]:
         return self.held if self.rule is not None and request.priority > AGENT else self.waiting
@@ -213,6 +237,25 @@ class Replica:
             queue = self.waiting or self.held
             if self.prefilling is None and queue and len(self.decoding) < self.profile.max_num_seqs:
                 changed = self._start(queue) or changed
+        self._hold_decode()
+
+    def _hold_decode(self) -> None:
+        """Background sequences pause while agent work is on the replica, where the rule holds their decode."""
+        if self.rule is None or self.rule.decode_beside:
+            return
+        if self._agent_busy():
+            running = [e for e in self.decoding if e[2].priority > AGENT]
+            for finish, count, request in running:
+                self.paused.append((finish - self.v, count, request))
+                self.context -= request.prompt_tokens + request.output_tokens / 2
+            if running:
+                self.decoding = [e for e in self.decoding if e[2].priority <= AGENT]
+                heapq.heapify(self.decoding)
+        elif self.paused:
+            for left, count, request in self.paused:
+                heapq.heappush(self.decoding, (self.v + left, count, request))
+                self.context += request.prompt_tokens + request.output_tokens / 2
+            self.paused.clear()
 
     def _start(self, queue: deque[Request]) -> bool:
         request = queue[0]

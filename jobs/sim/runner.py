@@ -55,7 +55,7 @@ def summarise(
 ) -> dict[str, Any]:
     """Per-run figures: compaction latency and throughput, agent stall, cache hits, replica utilisation."""
     turns = [t for t in cluster.turns if t.finished == t.finished]  # finished (not NaN)
-    done = [o for o in cluster.outcomes if o.admitted]
+    done = [o for o in cluster.outcomes if o.admitted and o.kind == "compaction"]
     prompt = sum(t.prompt_tokens for t in turns) + sum(o.prompt_tokens for o in done)
     cached = sum(t.cached_tokens for t in turns) + sum(o.cached_tokens for o in done)
     chunk_prompt = sum(o.prompt_tokens for o in done)
@@ -72,9 +72,12 @@ def summarise(
         "turn_latency_mean_s": mean([t.finished - t.submitted for t in turns]),
         "turn_latency_p50_s": percentile([t.finished - t.submitted for t in turns], 0.5),
         "turn_latency_p95_s": percentile([t.finished - t.submitted for t in turns], 0.95),
-        "compactions": len(done),
+        "compactions": len(recorder.stalls),  # applied (a rolling one may have sent nothing of its own)
         "refused": recorder.refused,
         "background_used": recorder.background_used,
+        "rolled_chunks": recorder.rolled_chunks,
+        "rolled_taken": recorder.rolled_taken,
+        "resent_prompts": sum(r.stats.resent for r in cluster.replicas),
         "compaction_latency_mean_s": mean(latencies),
         "compaction_latency_p50_s": percentile(latencies, 0.5),
         "compaction_latency_p95_s": percentile(latencies, 0.95),

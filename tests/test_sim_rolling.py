@@ -1,0 +1,98 @@
+"""The simulator's CPU engine rule and rolling sessions: background decode held while an agent is on the replica,
+a background prompt raised to the agent's priority re-sent (its decoded tokens lost), rolling sessions compacting as
+blocking ones do from chunks rolled in the tool gaps, and each mode of a recorded `jobs.bench.agent` run replayed."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import simpy
+
+from compaction.pacing import BACKGROUND, CPU_RULE, YieldRule
+from jobs.sim.engine import Replica, Request
+from jobs.sim.profiles import load_profile
+from jobs.sim.replay import MEAN_PROMPT_WITHIN, MODES, measured, simulate
+from jobs.sim.workload import Recorder, Script, Session, SimConfig
+from tests.test_sim import toy_profile
+
+RECORD = Path(__file__).parent / "data" / "bench-agent-seed0.json"
+
+
+def replica(rule: YieldRule) -> tuple[simpy.Environment, Replica]:
+    env = simpy.Environment()
+    return env, Replica(env, 0, toy_profile(), rule=rule)
+
+
+def request(env: simpy.Environment, output: int, namespace: str, priority: int = 0) -> Request:
+    return Request(8, output, namespace, 8, False, "chunk", env.event(), priority)
+
+
+@pytest.mark.parametrize("rule", [CPU_RULE, YieldRule()], ids=["cpu", "gpu"])
+def test_background_decode_waits_for_the_agent_on_the_cpu_and_goes_on_beside_it_on_gpus(rule: YieldRule) -> None:
+    env, engine = replica(rule)
+    background, agent = request(env, 100, "b", BACKGROUND), request(env, 50, "a")
+    engine.submit(background)
+    env.run(until=0.2)
+    engine.submit(agent)
+    env.run()
+    decoded = (0.2 - 0.008) / 0.011  # toy: 8 ms of prefill, then 11 ms steps alone
+    alone = 0.2 + 0.008 + 50 * 0.011  # the agent's prefill and 50 steps by itself
+    held = alone + (100 - decoded) * 0.011  # the background's last tokens after it
+    if rule.decode_beside:  # one batch of two (12 ms steps): the background decodes 50 tokens beside the agent
+        assert agent.finished > alone
+        assert background.finished == pytest.approx(held - 50 * 0.011 + 50 * 0.001, rel=0.01)
+    else:  # paused for the agent's prefill and its 50 steps, then its own last tokens alone
+        assert agent.finished == pytest.approx(alone, rel=0.01)
+        assert background.finished == pytest.approx(held, rel=0.01)
+
+
+def test_a_decoding_background_prompt_raised_to_the_agents_priority_is_sent_again() -> None:
+    env, engine = replica(CPU_RULE)
+    background = request(env, 100, "b", BACKGROUND)
+    engine.submit(background)
+    env.run(until=0.5)
+    engine.escalate(background)
+    env.run()
+    assert engine.stats.resent == 1
+    assert engine.stats.resent_tokens == round((0.5 - 0.008) / 0.011)  # what it had decoded, lost
+    assert background.finished == pytest.approx(0.5 + 100 * 0.011, rel=0.01)
+
+
+def play(config: SimConfig, turns: int = 30) -> tuple[Recorder, list[int]]:
+    env = simpy.Environment()
+    from jobs.sim.cluster import Cluster
+
+    cluster = Cluster(env, toy_profile(kv_tokens=100_000), 1, "pinned", homes={"session-0": 0})
+    script = Script((300,) * turns, (0.0, *(5.0,) * (turns - 1)), (20,) * turns)
+    recorder = Recorder()
+    env.run(until=env.process(Session(0, config, cluster, (1,), random.Random(0), script).run(recorder)))
+    return recorder, [t.prompt_tokens for t in cluster.turns]
+
+
+def test_a_rolling_session_compacts_as_blocking_does_from_chunks_rolled_in_its_tool_gaps() -> None:
+    base = SimConfig(
+        profile="toy", sessions=1, replicas=1, tau=4096, chunk_tokens=256, summary_tokens=96, keep_recent_tokens=512,
+        system_tokens=64, warm_start=False, ramp_s=0, background_share=0.6,
+    )  # fmt: skip
+    blocking, blocking_prompts = play(base)
+    rolling, rolling_prompts = play(base.model_copy(update={"mode": "background", "apply_background": "rolling"}))
+    assert len(blocking.compacted_at) >= 2
+    assert rolling.compacted_at == blocking.compacted_at  # the same compactions, at the same turns
+    assert rolling_prompts == pytest.approx(blocking_prompts, rel=0.02)  # the same prompts, give or take a reply
+    assert rolling.rolled_taken > 0 and rolling.rolled_chunks >= rolling.rolled_taken
+    assert sum(rolling.stalls) < 0.5 * sum(blocking.stalls)  # the rolled chunks were done in the 5 s gaps
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_replay_of_a_recorded_agent_loop_compacts_as_often_and_answers_from_prompts_as_long(mode: str) -> None:
+    """The simulator's sessions follow the service's turn policy: a recorded `jobs.bench.agent` run (LoCoMo, Codex
+    tool time, seed 0) replayed turn by turn makes as many compactions per mode, and its turns are answered from
+    prompts within 10 % as long on the mean. The wait is the benchmark's to compare (`python -m jobs.sim replay`):
+    it needs the profile of the machine that recorded the run."""
+    record = json.loads(RECORD.read_text())
+    real, sim = measured(mode, record), simulate(mode, record, load_profile("cpu-smollm2"))
+    assert sim.compactions == real.compactions
+    assert sim.mean_prompt_tokens == pytest.approx(real.mean_prompt_tokens, rel=MEAN_PROMPT_WITHIN)

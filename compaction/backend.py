@@ -24,6 +24,8 @@ class GenerationRequest:
     routing_key: str | None = None  # placement hint (a replica id or a session id); backends may ignore it
     priority: int = 0  # engine scheduling priority, lower first (compaction.pacing: AGENT, BACKGROUND)
     cache_salt: str | None = None  # prefix-cache namespace on the engine (a tenant's); None: the shared cache
+    tag: str | None = None  # names it to the engine, so a later request's `raises` can raise its priority
+    raises: tuple[str, ...] = ()  # the engine runs its requests with these tags at this one's priority from now on
 
 
 @dataclass(frozen=True)

@@ -23,17 +23,19 @@ decode step waits behind a background prompt's prefill chunk (seconds on a CPU).
     a prefill step costs the agent a second): on a busy GPU engine, where some agent request is always
     decoding, holding its prefill would starve it.
 Background work held back this way is never starved past the point it is needed: the turn that needs
-its result re-sends what is left at the agent's priority (`serving.background`, `Escalation`).
+its result raises what is left to the agent's priority, where it is (`serving.background`, `Escalation`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import uuid
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from compaction.backend import Backend, Generation, GenerationRequest
+from compaction.errors import CompactionError
 
 AGENT = 0
 NEXT = 1
@@ -93,21 +95,31 @@ class YieldRule:
 CPU_RULE = YieldRule(background_step_tokens=256, decode_beside=False)
 
 
+TAG_ARG = "compaction_tag"  # the engine request's extra args that carry GenerationRequest.tag ...
+RAISE_ARG = "compaction_raise"  # ... and GenerationRequest.raises (`serving.scheduler`)
+
+
+def engine_args(request: GenerationRequest) -> dict[str, Any]:
+    """The request's tag and the tags it raises, as the engine request's extra args (vLLM's `extra_args`)."""
+    tag = {TAG_ARG: request.tag} if request.tag else {}
+    return {**tag, **({RAISE_ARG: list(request.raises)} if request.raises else {})}
+
+
 class Escalation:
     """A backend that sends a compaction's prompts at `priority` until `urgent` is set; from then on at the
-    agent's. What is still in flight then is sent again at the agent's priority (vLLM cannot change a running
-    request's priority; what the first send prefilled stays in the prefix cache, so the copy reads it from there).
-    `keep_first` (engines whose rule lets background work decode beside the agent's, `YieldRule.decode_beside`): the
-    first send goes on beside its copy and whichever finishes first is taken, so a prompt that was already decoding
-    keeps what it decoded; else (the CPU rule, where the copy would hold it back anyway) it is cancelled. NEXT
-    prompts in flight are not sent again: they are never held in decode."""
+    agent's. What is still in flight then goes on at the agent's priority. `in_place` (engines that run
+    `serving.scheduler`): each prompt goes out tagged, and a one-token request at the agent's priority names the tags
+    to raise, so the engine raises them where they are and they keep what they prefilled and decoded; else (or if
+    that request fails) the prompt is cancelled and sent again at the agent's priority (vLLM cannot change a running
+    request's priority; the copy reads what was prefilled in whole cache blocks from the prefix cache, and decodes
+    again). NEXT prompts in flight are left as they are: they are never held in decode."""
 
-    def __init__(self, inner: Backend, priority: int, urgent: asyncio.Event | None = None, keep_first: bool = False):
+    def __init__(self, inner: Backend, priority: int, urgent: asyncio.Event | None = None, in_place: bool = False):
         self.inner = inner
         self.priority = priority
         self.urgent = urgent or asyncio.Event()
-        self.keep_first = keep_first
-        self.escalated = 0  # prompts sent again at the agent's priority
+        self.in_place = in_place
+        self.escalated = 0  # prompts raised to the agent's priority while in flight
 
     def current(self) -> int:
         """The priority its prompts go out at now."""
@@ -118,29 +130,34 @@ class Escalation:
             return await self.inner.generate(replace(request, priority=AGENT))
         if self.priority == NEXT:
             return await self.inner.generate(replace(request, priority=NEXT))
-        first = asyncio.ensure_future(self.inner.generate(replace(request, priority=self.priority)))
-        calls = {first}
+        tag = uuid.uuid4().hex if self.in_place else None
+        first = asyncio.ensure_future(self.inner.generate(replace(request, priority=self.priority, tag=tag)))
         try:
             await _first_of(first, asyncio.ensure_future(self.urgent.wait()))
             if first.done():
                 return first.result()
-            if not self.keep_first:
-                first.cancel()
-                await asyncio.wait({first})
-                if not first.cancelled():
-                    return first.result()
             self.escalated += 1
-            calls.add(copy := asyncio.ensure_future(self.inner.generate(replace(request, priority=AGENT))))
-            while True:
-                done, _ = await asyncio.wait(calls, return_when=asyncio.FIRST_COMPLETED)
-                ok = [c for c in done if not c.cancelled() and c.exception() is None]
-                if ok or calls == done:  # one answered, or both ended: the copy's outcome is the call's
-                    return (ok[0] if ok else copy).result()
-                calls -= done  # the first send failed or was cancelled: the copy goes on alone
+            if tag is not None and await self._raised(request, tag):
+                return await first
+            first.cancel()
+            await asyncio.wait({first})
+            if not first.cancelled():
+                return first.result()
+            return await self.inner.generate(replace(request, priority=AGENT))
         finally:
-            for call in calls:
-                call.cancel()
-            await asyncio.wait(calls)
+            first.cancel()
+
+    async def _raised(self, request: GenerationRequest, tag: str) -> bool:
+        """Whether the engine took the request that raises `tag` (sent where the prompt went: its routing key)."""
+        marker = GenerationRequest(
+            request.prompt_token_ids[:1], max_tokens=1, request_id=f"{request.request_id}-raise",
+            routing_key=request.routing_key, priority=AGENT, cache_salt=request.cache_salt, raises=(tag,),
+        )  # fmt: skip
+        try:
+            await self.inner.generate(marker)
+        except CompactionError:
+            return False
+        return True
 
 
 async def _first_of(call: asyncio.Future[Any], other: asyncio.Future[Any]) -> None:

@@ -224,7 +224,6 @@ class CoordinatorDeployment:
                 args.cost.get(spec.name, CostModel()),
                 batch_sequences=math.ceil(spec.batch_sequences() / args.coordinator_replicas),
                 next_beside=spec.next_step_tokens > 0,
-                decode_beside=spec.background_decode_beside,
             )
             self._backends[spec.name] = backend
         name = serve.get_replica_context().replica_id.unique_id

@@ -23,7 +23,7 @@ import httpx
 
 from compaction.backend import Generation, GenerationRequest
 from compaction.errors import BackendError, InvalidInput, Overloaded
-from compaction.pacing import CPU_RULE
+from compaction.pacing import CPU_RULE, engine_args
 from serving.cpu import CPU_ENGINE_ENV, cpu_dtype
 from serving.models import CpuBinding, yielding_engine_args
 from serving.tenants import client_headers
@@ -113,6 +113,7 @@ class VLLMBackend:
             min_tokens=request.min_tokens,
             temperature=request.temperature,
             repetition_penalty=request.repetition_penalty,
+            extra_args=engine_args(request) or None,
         )
         began = time.perf_counter()
         final = None
@@ -177,6 +178,8 @@ class OpenAIBackend:
             body["repetition_penalty"] = request.repetition_penalty
         if request.priority:  # a server without priority scheduling refuses any other than 0
             body["priority"] = request.priority
+        if extra := engine_args(request):
+            body["vllm_xargs"] = extra
         headers = {"x-session-id": request.routing_key} if request.routing_key else {}
         began = time.perf_counter()
         try:

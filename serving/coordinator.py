@@ -156,7 +156,6 @@ class ModelRuntime:
     cost: CostModel = field(default_factory=CostModel)
     batch_sequences: int = 128  # sequences one model replica batches that this coordinator may fill (its share)
     next_beside: bool = True  # its engines let NEXT work prefill beside the agent's (YieldRule.next_step_tokens)
-    decode_beside: bool = False  # ... and background work decode beside it: an escalated prompt's first send goes on
 
 
 class AdmissionConfig(BaseModel):
@@ -289,7 +288,7 @@ class Coordinator:
             # engines allow (never starved, never re-sent), else in its tool gaps as other background work.
             last = job.roll_last and job.priority == "background" and runtime.next_beside
             priority = NEXT if last else PRIORITIES[job.priority]
-            backend = Escalation(Salted(compactor.backend, job.cache_salt), priority, urgent, runtime.decode_beside)
+            backend = Escalation(Salted(compactor.backend, job.cache_salt), priority, urgent, in_place=True)
             # A chunk whose summary fell back is not kept: the compaction at the threshold asks the model again.
             routes = placement.routes()
             await compactor.summarise(plan, todo, routes, backend, sent=sent, keep_fallbacks=False, ahead=job.roll_last)
@@ -337,7 +336,7 @@ class Coordinator:
         shape = self._placement_input(plan, job, replicas, compactor)
         placement = await asyncio.to_thread(place, shape, job.placement, runtime.cost)  # compares the prompts
         recorder = Recorder(Salted(compactor.backend, job.cache_salt))
-        backend = Escalation(recorder, PRIORITIES[job.priority], urgent, runtime.decode_beside)
+        backend = Escalation(recorder, PRIORITIES[job.priority], urgent, in_place=True)
         result = await compactor.run(plan, routes=placement.routes(), backend=backend)
         if plan.options.archive:  # its chunks stored, or the result without their handles and why
             note = await asyncio.to_thread(stored, self.archive, job.tenant, job.session_id, result.archived)

@@ -27,6 +27,7 @@ from ray.serve.llm.openai_api_models import CompletionRequest
 
 from compaction.backend import Generation, GenerationRequest
 from compaction.errors import BackendError, InvalidInput, Overloaded
+from compaction.pacing import engine_args
 from serving.routing import RouteKey
 
 RETRY_AFTER_S = 5.0
@@ -71,6 +72,7 @@ class ReplicaBackend:
             repetition_penalty=request.repetition_penalty,
             priority=request.priority,
             cache_salt=request.cache_salt,
+            vllm_xargs=engine_args(request) or None,
         )
 
     async def _once(self, request: GenerationRequest, key: RouteKey) -> Generation:

@@ -12,7 +12,9 @@ vLLM schedules the rest, and put back afterwards: held requests keep their KV bl
 not scheduled that step, as when vLLM's own token budget runs out. The step budget of a step led by
 background work is capped the same way, and so is that of a step in which NEXT requests prefill beside
 the agent's: the agent's requests go first in the running list, so the cap takes from the NEXT ones only.
-The class runs in the engine-core process.
+A request tagged for it (`compaction.pacing.engine_args`) is raised where it is when a later request names its tag
+(`GenerationRequest.raises`: a turn waits for it, `compaction.pacing.Escalation`), keeping what it prefilled and
+decoded. The class runs in the engine-core process.
 
 No wedge: vLLM preempts a running request only to grow another running one, never to admit a waiting
 one, and held requests do not run until the agent's are done. So when the first waiting request of the
@@ -36,7 +38,17 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request
 
-from compaction.pacing import AGENT, YieldRule
+from compaction.bounded import BoundedLRU
+from compaction.pacing import AGENT, RAISE_ARG, TAG_ARG, YieldRule
+
+RAISED_TAGS = 4096  # tags remembered as raised
+
+
+def _arg(request: Request, key: str) -> Any:
+    """One of the request's extra args (`compaction.pacing.engine_args`), None if it has none."""
+    params = request.sampling_params
+    extra = params.extra_args if params is not None else None
+    return extra.get(key) if extra else None
 
 
 def prefilling(request: Request) -> bool:
@@ -51,9 +63,11 @@ class Yielding(Scheduler):
         super().__init__(*args, **kwargs)
         end_with_parent()
         self.yield_rule = YieldRule.from_config(self.vllm_config.additional_config)
+        self._raised: BoundedLRU[str, int] = BoundedLRU(RAISED_TAGS)  # tags raised -> their new priority
         self._engine_budget = self.max_num_scheduled_tokens
 
     def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
+        self._raise_marked()
         priorities = [r.priority for r in self.running] + [r.priority for r in self.waiting]
         if not priorities:
             return super().schedule(*args, **kwargs)
@@ -75,6 +89,27 @@ class Yielding(Scheduler):
             self.max_num_scheduled_tokens = self._engine_budget
             self.running.extend(held)
             self.waiting.prepend_requests(waiting)
+
+    def _raise_marked(self) -> None:
+        """Requests whose tag a request's `raises` names (`compaction.pacing.Escalation`: a turn waits for them) go on
+        at that request's priority from where they are, what they prefilled and decoded kept. A tag is remembered
+        (the last RAISED_TAGS), so a request that reaches the engine after its raise is raised on arrival."""
+        for request in self.waiting:
+            for tag in _arg(request, RAISE_ARG) or ():
+                self._raised.put(str(tag), request.priority)
+        if not len(self._raised):
+            return
+        for request in self.running:
+            raised = self._raised.peek(str(_arg(request, TAG_ARG)))
+            if raised is not None and raised < request.priority:
+                request.priority = raised
+        moved = [(r, p) for r in self.waiting if (p := self._raised.peek(str(_arg(r, TAG_ARG)))) is not None]
+        moved = [(r, p) for r, p in moved if p < r.priority]
+        if moved:  # the waiting queue is ordered by priority: out, raised, back in
+            self.waiting.remove_requests([r for r, _ in moved])
+            for request, raised in moved:
+                request.priority = raised
+                self.waiting.add_request(request)
 
     def _budget(self, lead: int) -> int:
         """The step's token budget. When less urgent requests prefill beside the agent's (`YieldRule.beside`), it is

@@ -117,48 +117,49 @@ async def test_a_cancelled_caller_cancels_its_call() -> None:
     assert inner.done == []  # nothing completed behind the caller's back
 
 
-class Timed:
-    """A backend whose calls answer after a set delay each (in call order; a negative one fails after that long),
-    recording their priorities."""
+class Marked(Parked):
+    """Parked, plus the requests that raise tags (answered at once, or failing when `refuse`)."""
 
-    def __init__(self, *delays: float) -> None:
-        self.delays = list(delays)
-        self.sent: list[int] = []
-        self.cancelled = 0
+    def __init__(self, refuse: bool = False) -> None:
+        super().__init__()
+        self.refuse = refuse
+        self.raised: list[GenerationRequest] = []
+        self.tags: list[str | None] = []
 
     async def generate(self, request: GenerationRequest) -> Generation:
-        self.sent.append(request.priority)
-        delay = self.delays[len(self.sent) - 1]
-        try:
-            await asyncio.sleep(abs(delay))
-        except asyncio.CancelledError:
-            self.cancelled += 1
-            raise
-        if delay < 0:
-            raise BackendError("replica died")
-        return Generation(f"p{request.priority}", 1, len(request.prompt_token_ids), 0, "stop", delay)
+        if request.raises:
+            self.raised.append(request)
+            if self.refuse:
+                raise BackendError("no such engine extension")
+            return Generation("", 1, 1, 0, "length", 0.0)
+        self.tags.append(request.tag)
+        return await super().generate(request)
 
 
-@pytest.mark.parametrize(("delays", "answer"), [((0.05, 5.0), "p2"), ((5.0, 0.05), "p0")])
-async def test_where_background_decodes_beside_the_agent_an_escalated_prompt_keeps_its_first_send(
-    delays: tuple[float, float], answer: str
-) -> None:
-    """`keep_first` (the GPU rule): the first send is not cancelled when a turn needs it; it goes on beside its copy
-    at the agent's priority, and whichever answers first is taken (the first send, when it was already decoding)."""
-    inner, urgent = Timed(*delays), asyncio.Event()
-    backend = Escalation(inner, BACKGROUND, urgent, keep_first=True)
-    call = asyncio.create_task(backend.generate(GenerationRequest((1, 2, 3), 4)))
+async def test_in_place_an_escalated_prompt_is_raised_on_the_engine_not_sent_again() -> None:
+    inner, urgent = Marked(), asyncio.Event()
+    backend = Escalation(inner, BACKGROUND, urgent, in_place=True)
+    request = GenerationRequest((7, 8, 9), 4, request_id="chunk-0-first", routing_key="s1", cache_salt="t")
+    call = asyncio.create_task(backend.generate(request))
     await asyncio.sleep(0.01)
     urgent.set()
-    assert (await call).text == answer
-    assert inner.sent == [BACKGROUND, AGENT] and backend.escalated == 1
-    assert inner.cancelled == 1  # the slower one, once the other answered
+    await asyncio.sleep(0.01)
+    (marker,) = inner.raised
+    assert marker.raises == (inner.tags[0],) and inner.tags[0]  # the prompt went out tagged; the marker names it
+    assert marker.priority == AGENT and marker.routing_key == "s1" and marker.cache_salt == "t"  # where it went
+    assert marker.prompt_token_ids == (7,) and marker.max_tokens == 1
+    assert inner.sent == [BACKGROUND]  # not sent again: what it prefilled and decoded is kept
+    inner.release.set()
+    assert (await call).text == "ok" and backend.escalated == 1
 
 
-async def test_a_kept_first_send_that_fails_leaves_its_copy_to_answer() -> None:
-    inner, urgent = Timed(-0.05, 0.2), asyncio.Event()
-    backend = Escalation(inner, BACKGROUND, urgent, keep_first=True)
+async def test_an_engine_that_refuses_the_raise_gets_the_prompt_again_at_the_agents_priority() -> None:
+    inner, urgent = Marked(refuse=True), asyncio.Event()
+    backend = Escalation(inner, BACKGROUND, urgent, in_place=True)
     call = asyncio.create_task(backend.generate(GenerationRequest((1,), 1)))
     await asyncio.sleep(0.01)
     urgent.set()
-    assert (await call).text == "p0" and inner.sent == [BACKGROUND, AGENT] and inner.cancelled == 0
+    await asyncio.sleep(0.01)
+    assert len(inner.raised) == 1 and inner.sent == [BACKGROUND, AGENT]
+    inner.release.set()
+    assert (await call).text == "ok" and inner.done == [AGENT]

@@ -57,3 +57,26 @@ async def test_the_next_turns_work_is_done_beside_an_agents_decode_and_backgroun
     agent_done, generation = await first
     assert generation.output_tokens == 96 and nxt.output_tokens == 8 and bg.output_tokens == 8
     assert next_done < agent_done < background_done
+
+
+async def test_a_background_request_raised_where_it_is_finishes_beside_the_agent_and_its_twin_after(
+    engine: Any,
+) -> None:
+    """`compaction.pacing.Escalation` in place, counted in engine steps: an agent decodes 96 tokens; two background
+    requests (200 prompt tokens, 16 out) are held behind it; a one-token agent request naming one's tag raises that
+    one where it is, so it is done within the agent's decode, its twin after it, each prompt sent once."""
+    await engine.reset_prefix_cache()
+    agent = GenerationRequest(prompt(10, 64), max_tokens=96, min_tokens=96, request_id="agent", priority=AGENT)
+    first = asyncio.create_task(timed(engine, agent))  # sent first: tasks start in the order they were made
+    held = [
+        GenerationRequest(prompt(11 + k, 200), 16, 16, request_id=tag, priority=BACKGROUND, tag=tag)
+        for k, tag in enumerate(("raised", "twin"))
+    ]
+    tasks = [asyncio.create_task(timed(engine, r)) for r in held]
+    marker = GenerationRequest(prompt(13, 1), max_tokens=1, request_id="raise", priority=AGENT, raises=("raised",))
+    await engine.generate(marker)
+    (raised_done, raised), (twin_done, twin) = await asyncio.gather(*tasks)
+    agent_done, generation = await first
+    assert generation.output_tokens == 96 and raised.output_tokens == 16 and twin.output_tokens == 16
+    assert raised_done < agent_done < twin_done
+    assert raised.cached_prompt_tokens == 0  # prefilled once, where it was: no copy read it back from the cache

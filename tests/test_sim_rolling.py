@@ -1,6 +1,6 @@
-"""The simulator's CPU engine rule and rolling sessions: background decode held while an agent is on the replica,
-a background prompt raised to the agent's priority re-sent (its decoded tokens lost), rolling sessions compacting as
-blocking ones do from chunks rolled in the tool gaps, and each mode of a recorded `jobs.bench.agent` run replayed."""
+"""The simulator's CPU engine rule and rolling sessions: background decode held while an agent is on the replica and
+raised where it is when a turn needs it, rolling sessions compacting as blocking ones do from chunks rolled in the
+tool gaps, and each mode of a recorded `jobs.bench.agent` run replayed."""
 
 from __future__ import annotations
 
@@ -49,16 +49,18 @@ def test_background_decode_waits_for_the_agent_on_the_cpu_and_goes_on_beside_it_
         assert background.finished == pytest.approx(held, rel=0.01)
 
 
-def test_a_decoding_background_prompt_raised_to_the_agents_priority_is_sent_again() -> None:
+def test_a_held_background_decode_raised_to_the_agents_priority_goes_on_from_where_it_was() -> None:
     env, engine = replica(CPU_RULE)
-    background = request(env, 100, "b", BACKGROUND)
+    background, agent = request(env, 100, "b", BACKGROUND), request(env, 200, "a")
     engine.submit(background)
+    env.run(until=0.2)
+    engine.submit(agent)  # the background's decode pauses for it
     env.run(until=0.5)
-    engine.escalate(background)
+    engine.escalate(background)  # raised where it is: it decodes beside the agent from the tokens it had
     env.run()
-    assert engine.stats.resent == 1
-    assert engine.stats.resent_tokens == round((0.5 - 0.008) / 0.011)  # what it had decoded, lost
-    assert background.finished == pytest.approx(0.5 + 100 * 0.011, rel=0.01)
+    decoded = (0.2 - 0.008) / 0.011
+    assert background.finished == pytest.approx(0.5 + (100 - decoded) * 0.012, rel=0.02)
+    assert background.finished < agent.finished
 
 
 def play(config: SimConfig, turns: int = 30) -> tuple[Recorder, list[int]]:

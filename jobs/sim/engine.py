@@ -18,11 +18,9 @@ the replica, or beside agent decode at most `background_beside_tokens` a step, a
 `background_step_tokens`; an agent request that arrives takes over the prefill
 at once (in the engine it waits for one such step). Background sequences decode beside agent ones where the rule
 lets them (`decode_beside`, the GPU rule); where it does not (the CPU rule) they pause while any agent request is on
-the replica and go on from where they were. A background request a waiting turn raises to the agent's priority goes
-on from what it prefilled (`compaction.pacing.Escalation` sends it again; the copy reads that from the cache); one
-already decoding keeps what it decoded where background decodes beside the agent (the first send goes on beside its
-copy) and loses it where it does not (the CPU rule: the copy decodes from its first token). `yielding=False` gives
-every request the same priority, as vLLM's FCFS scheduler does.
+the replica and go on from where they were. A background request a waiting turn raises to the agent's priority
+goes on where it is, with what it prefilled and decoded (`compaction.pacing.Escalation` raises it on the engine).
+`yielding=False` gives every request the same priority, as vLLM's FCFS scheduler does.
 
 Decode progress is one shared clock `v` (tokens decoded per sequence since start): a sequence that joins at v0 with
 n tokens to go finishes at v0 + n, so events cost O(log batch). A request's cache lookup happens when it reaches the
@@ -82,8 +80,6 @@ class ReplicaStats:
     batch_s: float = 0.0  # integral of the decoding batch size over time
     prefill_s: float = 0.0  # time with a prefill running
     requests: int = 0
-    resent: int = 0  # background requests re-sent at the agent's priority while decoding (their tokens lost)
-    resent_tokens: int = 0  # tokens those had decoded
 
 
 @dataclass(eq=False)
@@ -129,34 +125,25 @@ class Replica:
         self._changed()
 
     def escalate(self, request: Request) -> None:
-        """Raise a request to the agent's priority (a turn waits for its compaction): one still to prefill goes on
-        from what it prefilled (its copy reads that from the cache); one decoding goes on where background work decodes
-        beside the agent's (its first send is kept), else its copy decodes again from the first token."""
+        """Raise a request to the agent's priority where it is (a turn waits for its compaction,
+        `compaction.pacing.Escalation`): it keeps what it prefilled and decoded."""
         if request.priority <= AGENT:
             return
         self._changing()
+        paused = next((e for e in self.paused if e[2] is request), None)
         if request in self.held:
             self.held.remove(request)
             self.waiting.append(request)
-        elif any(r is request for _, _, r in self.decoding) and (self.rule is None or self.rule.decode_beside):
+        elif paused is not None:  # held in decode: it goes on from the tokens it had
+            self.paused.remove(paused)
+            heapq.heappush(self.decoding, (self.v + paused[0], paused[1], request))
+            self.context += request.prompt_tokens + request.output_tokens / 2
             self.agent_decoding += 1
-        elif (entry := self._decoding_entry(request)) is not None:
-            running = any(e is entry for e in self.decoding)
-            left = entry[0] - self.v if running else entry[0]
-            (self.decoding if running else self.paused).remove(entry)
-            heapq.heapify(self.decoding)
-            self.stats.resent += 1
-            self.stats.resent_tokens += round(request.output_tokens - left)
+        elif any(r is request for _, _, r in self.decoding):
             self.agent_decoding += 1
-            heapq.heappush(self.decoding, (self.v + request.output_tokens, entry[1], request))
-            if not running:  # it was paused: its context is back in the batch
-                self.context += request.prompt_tokens + request.output_tokens / 2
         request.priority = AGENT
         self._settle()
         self._changed()
-
-    def _decoding_entry(self, request: Request) -> tuple[float, int, Request] | None:
-        return next((e for e in (*self.decoding, *self.paused) if e[2] is request), None)
 
     def _queue(self, request: Request) -> deque[Request]:
         return self.held if self.rule is not None and request.priority > AGENT else self.waiting

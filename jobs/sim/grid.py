@@ -34,7 +34,7 @@ METRICS: dict[str, pa.DataType] = {
     "turn_latency_p50_s": pa.float64(), "turn_latency_p95_s": pa.float64(), "compactions": pa.int64(),
     "refused": pa.int64(),
     "background_used": pa.int64(), "rolled_chunks": pa.int64(), "rolled_taken": pa.int64(),
-    "resent_prompts": pa.int64(), "compaction_latency_mean_s": pa.float64(),
+    "compaction_latency_mean_s": pa.float64(),
     "compaction_latency_p50_s": pa.float64(), "compaction_latency_p95_s": pa.float64(),
     "queue_wait_mean_s": pa.float64(), "stall_total_s": pa.float64(), "stall_mean_s": pa.float64(),
     "stall_p95_s": pa.float64(), "compaction_share": pa.float64(), "e2e_per_turn_s": pa.float64(),

@@ -77,7 +77,6 @@ def summarise(
         "background_used": recorder.background_used,
         "rolled_chunks": recorder.rolled_chunks,
         "rolled_taken": recorder.rolled_taken,
-        "resent_prompts": sum(r.stats.resent for r in cluster.replicas),
         "compaction_latency_mean_s": mean(latencies),
         "compaction_latency_p50_s": percentile(latencies, 0.5),
         "compaction_latency_p95_s": percentile(latencies, 0.95),

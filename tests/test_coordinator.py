@@ -50,12 +50,16 @@ class FakeReplicas:
         self.gate = gate
         self.served: list[str] = []
         self.parked = 0  # requests that reached a replica and wait on the gate
+        self.raised: dict[str, int] = {}  # tags a request's `raises` named -> the priority they run at since
         self._robin = itertools.count()
 
     def walk(self, session: str) -> list[str]:
         return sorted(self.replicas, key=lambda r: hashlib.sha256(f"{session}/{r}".encode()).hexdigest())
 
     async def generate(self, request: GenerationRequest) -> Generation:
+        if request.raises:  # the engines' scheduler raises those requests where they are (serving.scheduler)
+            self.raised.update(dict.fromkeys(request.raises, request.priority))
+            return Generation("", 1, len(request.prompt_token_ids), 0, "length", 0.0)
         key = RouteKey.decode(request.routing_key) or RouteKey(request.routing_key)
         if key.session is None:
             walk, key = sorted(self.replicas), RouteKey(None, next(self._robin), key.avoid)
@@ -68,6 +72,8 @@ class FakeReplicas:
         if name in self.dead:
             raise BackendError(f"replica {name} died")
         self.served.append(name)
+        if request.tag in self.raised:  # raised while it waited: it ran on at that priority
+            request = replace(request, priority=min(request.priority, self.raised[request.tag]))
         return replace(await self.replicas[name].generate(request), replica=name)
 
     async def count(self) -> int:

@@ -460,8 +460,8 @@ async def test_at_the_threshold_the_chunks_a_rolling_run_has_in_flight_are_joine
     await until(lambda: replicas.parked >= 1)
     in_flight = replicas.parked  # the run's whole chunks, in flight at background priority
     over = asyncio.create_task(sessions.turn(turn(tokenizer, history, **rolling), tokenizer))
-    # Raised to the agent's priority, the run re-sends its chunks; the compaction sends only the others.
-    await until(lambda: replicas.parked == 2 * in_flight + chunks - in_flight)
+    # Raised to the agent's priority where they are (never sent again); the compaction sends only the others.
+    await until(lambda: replicas.parked == chunks and len(replicas.raised) == in_flight)
     gate.set()
     outcome = await over
     assert outcome.status == "applied" and outcome.source == "background" and outcome.messages == blocking.messages

@@ -18,11 +18,11 @@ from compaction.tokenizer import ChatTokenizer
 from jobs.data.conversations import locomo_messages, truncate_history
 from jobs.sim.cache import PrefixCache
 from jobs.sim.cluster import Cluster, CompactionJob
+from jobs.sim.config import SimConfig
 from jobs.sim.grid import SimGrid, load_grid, run_grid
 from jobs.sim.profiles import DecodePoint, EngineProfile, PrefillPoint, Source, load_profile, profile_names
 from jobs.sim.runner import simulate
 from jobs.sim.shapes import ChunkTokens, SegmentIds, prompt_lengths
-from jobs.sim.workload import SimConfig
 from serving.models import load_catalogue
 from serving.routing import PromptShape, common_prefix, new_prefill_tokens
 from serving.sizing import gpu_fit

@@ -12,10 +12,11 @@ import pytest
 import simpy
 
 from compaction.pacing import BACKGROUND, CPU_RULE, YieldRule
+from jobs.sim.config import SimConfig
 from jobs.sim.engine import Replica, Request
 from jobs.sim.profiles import load_profile
 from jobs.sim.replay import MEAN_PROMPT_WITHIN, MODES, measured, simulate
-from jobs.sim.workload import Recorder, Script, Session, SimConfig
+from jobs.sim.workload import Recorder, Script, Session
 from tests.test_sim import toy_profile
 
 RECORD = Path(__file__).parent / "data" / "bench-agent-seed0.json"

@@ -26,10 +26,10 @@ from typing import Any
 import yaml
 
 from compaction.errors import InvalidInput
+from jobs.sim.config import SimConfig
 from jobs.sim.grid import load_grid, run_grid, say
 from jobs.sim.profiles import PROFILES, load_profile, profile_names
 from jobs.sim.runner import simulate
-from jobs.sim.workload import SimConfig
 
 ROW_KEYS = [
     "turns", "compactions", "refused", "compaction_latency_mean_s", "compaction_latency_p95_s", "queue_wait_mean_s",

@@ -26,8 +26,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from compaction.errors import InvalidInput
 from jobs.bench.common import sayer
 from jobs.experiments.results import ResultStore
+from jobs.sim.config import SimConfig
 from jobs.sim.runner import simulate
-from jobs.sim.workload import SimConfig
 
 METRICS: dict[str, pa.DataType] = {
     "model": pa.string(), "hardware": pa.string(), "turns": pa.int64(), "turn_latency_mean_s": pa.float64(),

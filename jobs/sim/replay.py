@@ -26,8 +26,9 @@ import simpy
 
 from compaction.turn_policy import KEEP_RECENT_SHARE
 from jobs.sim.cluster import Cluster
+from jobs.sim.config import SimConfig
 from jobs.sim.profiles import EngineProfile
-from jobs.sim.workload import END_OF_TURN_TOKENS, GENERATION_PROMPT_TOKENS, Recorder, Script, Session, SimConfig
+from jobs.sim.workload import END_OF_TURN_TOKENS, GENERATION_PROMPT_TOKENS, Recorder, Script, Session
 
 MODES = ("blocking_sequential", "blocking_parallel", "background_parallel", "rolling_parallel")
 # The validation's bounds (issue: compactions equal, mean prompt within 10 %, the wait within 25 %).

@@ -10,8 +10,9 @@ from typing import Any
 import simpy
 
 from jobs.sim.cluster import Admission, Cluster
+from jobs.sim.config import SimConfig, dataset_stream, synthetic_stream
 from jobs.sim.profiles import EngineProfile, load_profile
-from jobs.sim.workload import Recorder, Session, SimConfig, dataset_stream, synthetic_stream
+from jobs.sim.workload import Recorder, Session
 
 
 def percentile(values: list[float], q: float) -> float:

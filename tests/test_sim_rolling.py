@@ -99,3 +99,15 @@ def test_the_replay_of_a_recorded_agent_loop_compacts_as_often_and_answers_from_
     real, sim = measured(mode, record), simulate(mode, record, load_profile("cpu-smollm2"))
     assert sim.compactions == real.compactions
     assert sim.mean_prompt_tokens == pytest.approx(real.mean_prompt_tokens, rel=MEAN_PROMPT_WITHIN)
+
+
+def test_a_replay_of_a_file_that_is_not_a_benchmark_record_says_what_it_lacks(tmp_path: Path) -> None:
+    from jobs.sim.__main__ import main
+
+    other, old = tmp_path / "other.json", tmp_path / "old.json"
+    other.write_text(json.dumps({"rows": []}))
+    record = json.loads(RECORD.read_text())
+    del record["system_tokens"]
+    old.write_text(json.dumps(record))
+    assert main(["replay", str(other)]) == 2 and main(["replay", str(old)]) == 2
+    assert main(["replay", str(tmp_path / "missing.json")]) == 2

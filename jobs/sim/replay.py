@@ -128,7 +128,10 @@ def _turns(at: Sequence[int]) -> str:
 
 
 def load(path: Path) -> dict[str, Any]:
+    """A `jobs.bench.agent` record; ValueError naming what it lacks."""
     record: dict[str, Any] = json.loads(path.read_text())
+    if not isinstance(record, dict) or not {"settings", "totals", "turns"} <= set(record):
+        raise ValueError(f"{path} is not a bench_agent.json written by python -m jobs.bench.agent")
     if "system_tokens" not in record:
         raise ValueError(f"{path} has no system_tokens: record it again with this version of jobs.bench.agent")
     return record

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from compaction.backend import Backend, GenerationRequest
 from compaction.bounded import BoundedLRU
@@ -29,7 +29,7 @@ from compaction.history import Message
 from compaction.instructions import caller_instructions
 from compaction.merge import merge
 from compaction.options import CompactionOptions, model_budget
-from compaction.pacing import AGENT, Escalation
+from compaction.pacing import AGENT, Escalation, first_of
 from compaction.partition import Chunk, PlanLimits
 from compaction.plan import CompactionPlan, Planner
 from compaction.result import ChunkStats, CompactionResult
@@ -38,7 +38,9 @@ from compaction.tokenizer import ChatTokenizer
 RETRY_REPETITION_PENALTY = 1.3
 FALLBACKS = frozenset({"kept_verbatim", "extractive_fallback"})  # a chunk's statuses without a model summary
 FELL_BACK_ENTRIES = 4096  # chunk prompts remembered as fallen back in a background run
+LASTS = 4096  # rolling runs' last chunks in flight, by where they start (`Compactor._newest_last`)
 _Kept = tuple[ChunkStats, str]  # a chunk's stats and kept text
+Ahead = Literal["turn", "reply"]  # a rolling run's last chunk: of a turn's history, or of it with the turn's reply
 
 
 def request_id(k: int, strict: bool = False) -> str:
@@ -58,6 +60,22 @@ class _InFlight:
 def urgency(backend: Backend) -> int:
     """The priority a backend's prompts go out at now (`compaction.pacing`; lower is more urgent)."""
     return backend.current() if isinstance(backend, Escalation) else AGENT
+
+
+async def _join(other: _InFlight, backend: Backend) -> None:
+    """Until another run's summary of the same prompt is done; that prompt is raised to the agent's priority where
+    it is once this run's prompts go there (now, or when a turn waits for this run)."""
+    while not other.done.done():
+        if urgency(backend) < urgency(other.backend) and isinstance(other.backend, Escalation):
+            other.backend.hurry()
+        if urgency(backend) <= AGENT or not isinstance(backend, Escalation):
+            await asyncio.wait({other.done})
+            return
+        raised: asyncio.Future[Any] = asyncio.ensure_future(backend.until_raised())
+        try:
+            await asyncio.wait({other.done, raised}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            raised.cancel()
 
 
 def _as_reused(kept: _Kept, k: int) -> _Kept:
@@ -88,6 +106,7 @@ class Compactor:
         self.cache = cache  # chunk summaries reused across compactions; None disables reuse
         self.limits = limits  # caps on chunks and history tokens (compaction.partition); None: none
         self._in_flight: dict[tuple[str, ...], _InFlight] = {}  # chunk prompts being summarised, by identity
+        self._lasts: BoundedLRU[tuple[str, ...], list[tuple[tuple[str, ...], asyncio.Event]]] = BoundedLRU(LASTS)
         self._fell_back: BoundedLRU[tuple[str, ...], bool] = BoundedLRU(FELL_BACK_ENTRIES)  # in background runs
 
     def plan(
@@ -136,23 +155,29 @@ class Compactor:
         backend: Backend | None = None,
         sent: asyncio.Event | None = None,
         keep_fallbacks: bool = True,
-        ahead: bool = False,
+        ahead: Ahead | None = None,
     ) -> dict[int, _Kept]:
         """The summaries of these chunks of a plan, all sent at once; from the chunk cache where it has them.
         If any chunk fails for good, the error propagates and the other requests are cancelled. `sent` is set
         once every chunk's prompt is in flight (another run of the same prompts then joins them);
         `keep_fallbacks` False: a chunk that fell back (no model summary passed the checks) is not put in the
         chunk cache, so the next compaction asks the model again; `ahead`: the plan is a guess at a later
-        compaction's (a rolling run's), so its last chunk is kept as one that only ends a span (`ChunkCache.put`)."""
+        compaction's (a rolling run's), so its last chunk is kept as one that only ends a span (`ChunkCache.put`),
+        and is given up once a later turn's supersedes it (`_newest_last`; "reply": the run of the last turn's
+        history with its reply, which supersedes none)."""
         keys = list(routes) if routes is not None else [None] * len(plan.prompts)
         target = backend or self.backend
         wanted = list(chunks)
         reused = {k: hit for k in wanted if (hit := self._cached(plan, k)) is not None}
-        last = len(plan.chunks) - 1 if ahead else None
+        last = len(plan.chunks) - 1 if ahead is not None else None
+        if ahead == "turn":
+            self._supersede(plan)
         try:
             async with asyncio.TaskGroup() as group:
                 tasks = {
-                    k: group.create_task(self._summarise_and_keep(target, plan, k, keys[k], keep_fallbacks, k == last))
+                    k: group.create_task(
+                        self._summarise_and_keep(target, plan, k, keys[k], keep_fallbacks, ahead if k == last else None)
+                    )
                     for k in wanted
                     if k not in reused
                 }
@@ -161,7 +186,8 @@ class Compactor:
                     sent.set()
         except ExceptionGroup as failed:  # one chunk failed for good; the others were cancelled
             raise failed.exceptions[0] from None
-        return {k: reused[k] if k in reused else tasks[k].result() for k in wanted}
+        done = {k: reused[k] if k in reused else tasks[k].result() for k in wanted}
+        return {k: kept for k, kept in done.items() if kept is not None}
 
     def whole_chunks(self, plan: CompactionPlan, last: bool = False) -> list[int]:
         """The chunks that end at a border of B tokens, not at the span's end: every later compaction of the same
@@ -180,37 +206,45 @@ class Compactor:
         k: int,
         route: str | None,
         keep_fallbacks: bool = True,
-        last: bool = False,
-    ) -> tuple[ChunkStats, str]:
+        last: Ahead | None = None,
+    ) -> _Kept | None:
         """Chunk k's summary, put in the chunk cache the moment it is done: a run cancelled (its deadline, a
         client gone, a turn that escalates it) or failed in another chunk leaves its finished chunks reusable.
 
-        The same prompt already being summarised (a rolling background run's, `serving.background`) is waited
-        for instead of sent again by background work, and by the agent's when it goes out at the agent's
-        priority too (a background run a turn waits for is raised to it, `compaction.pacing.Escalation`); if that run
-        fails or is cancelled (or, keeping no fallbacks, fell back), this one sends it."""
+        The same prompt already being summarised (a rolling background run's, `serving.background`) is joined
+        instead of sent again, and raised to this run's priority where it is whenever this run's is more urgent (a
+        turn's compaction at the threshold, or a background run a turn waits for: `compaction.pacing.Escalation`);
+        if that run fails or is cancelled (or, keeping no fallbacks, fell back unraised), this one sends it. A rolling
+        run's last chunk (`last`) is None once a later run's supersedes it (`_newest_last`)."""
         if self.cache is None or not plan.options.reuse_chunks:
             return await self._summarise(backend, plan, k, route)
         prompt = plan.prompts[k]
         key = self.cache.key(plan.scope, plan.history.token_ids, prompt.chunk, prompt.view)
         other = self._in_flight.get(key)
-        if other is not None and (urgency(backend) > AGENT or urgency(other.backend) <= urgency(backend)):
-            await asyncio.wait({other.done})
-            # A fallback is taken as it is from a run that keeps them, or from one raised to the agent's priority
-            # before it ended (then it was asked again at the agent's, as this one would).
-            kept = other.keeps_fallbacks or urgency(other.backend) <= AGENT
-            if not other.done.cancelled() and (kept or other.done.result()[0].status not in FALLBACKS):
+        if other is not None:
+            await _join(other, backend)
+            # A fallback is taken as it is from a run that keeps them, or from a prompt raised to the agent's
+            # priority before it ended (that turn's own compaction would have asked the same, greedily).
+            # A background run takes it in any case: only the compaction at the threshold asks again.
+            taken = other.keeps_fallbacks or urgency(other.backend) <= AGENT or urgency(backend) > AGENT
+            if not other.done.cancelled() and (taken or other.done.result()[0].status not in FALLBACKS):
                 return _as_reused(other.done.result(), k)
-        elif other is None and (done := self._cached(plan, k)) is not None:
+        elif (done := self._cached(plan, k)) is not None:
             return done  # another run finished it since this one was planned
-        mine = _InFlight(backend, asyncio.get_running_loop().create_future(), keep_fallbacks)
+        own = backend.prompt() if isinstance(backend, Escalation) else backend  # raised alone by a run joining it
+        mine = _InFlight(own, asyncio.get_running_loop().create_future(), keep_fallbacks)
         self._in_flight[key] = mine
         try:
-            stats, text = await self._summarise(backend, plan, k, route, both=self._fell_back.pop(key) is not None)
-            # Raised to the agent's priority before it ended, a background chunk was asked again for the turn waiting
-            # for it, as that turn's own compaction would: its fallback is that compaction's, kept too.
-            if keep_fallbacks or stats.status not in FALLBACKS or urgency(backend) <= AGENT:
-                self.cache.put(plan.scope, plan.history.token_ids, prompt.chunk, prompt.view, text, stats, last)
+            work = self._summarise(own, plan, k, route, both=self._fell_back.pop(key) is not None)
+            if (kept := await (work if last is None else self._newest_last(key, work))) is None:
+                return None
+            stats, text = kept
+            # Raised to the agent's priority before it ended, a background chunk was asked for the turn waiting for
+            # it, as that turn's own compaction would: its fallback is that compaction's, kept too.
+            if keep_fallbacks or stats.status not in FALLBACKS or urgency(own) <= AGENT:
+                self.cache.put(
+                    plan.scope, plan.history.token_ids, prompt.chunk, prompt.view, text, stats, last is not None
+                )
             else:
                 self._fell_back.put(key, True)
             mine.done.set_result((stats, text))
@@ -219,6 +253,44 @@ class Compactor:
             mine.done.cancel()  # failed or cancelled: whoever waited for it sends its own (no-op once set)
             if self._in_flight.get(key) is mine:
                 del self._in_flight[key]
+
+    def _supersede(self, plan: CompactionPlan) -> None:
+        """A later turn's rolling run: an earlier run's last chunk that starts where a chunk of this plan starts, and
+        ends elsewhere, is given up, unless a compaction has joined and raised it (`_newest_last`)."""
+        assert self.cache is not None  # rolling runs keep their summaries (`whole_chunks`)
+        for prompt in plan.prompts:
+            key = self.cache.key(plan.scope, plan.history.token_ids, prompt.chunk, prompt.view)
+            for other, given_up in self._lasts.get(key[:2]) or []:
+                joined = self._in_flight.get(other)
+                if other != key and (joined is None or urgency(joined.backend) > AGENT):
+                    given_up.set()
+
+    async def _newest_last(self, key: tuple[str, ...], work: Coroutine[Any, Any, _Kept]) -> _Kept | None:
+        """A rolling run's last chunk, given up (None) once a later turn's run supersedes it (`_supersede`): only the
+        newest turn's (or its reply's run's) can be the one the compaction at the threshold takes, and background
+        time is the agent's tool gaps. The reply's run supersedes none: the threshold takes its turn's last chunk
+        when the reply's is not done (`serving.background`)."""
+        start = key[:2]  # the options and the history before the chunk
+        superseded = asyncio.Event()
+        self._lasts.put(start, [*(self._lasts.get(start) or []), (key, superseded)])
+        task = asyncio.ensure_future(work)
+        try:
+            await first_of(task, asyncio.ensure_future(superseded.wait()))
+            return task.result() if task.done() else None
+        finally:
+            task.cancel()
+            lasts = [last for last in self._lasts.get(start) or [] if last[1] is not superseded]
+            if lasts:
+                self._lasts.put(start, lasts)
+            else:
+                self._lasts.pop(start)
+
+    def fell_back(self, plan: CompactionPlan) -> frozenset[int]:
+        """Chunks whose summary fell back in a run that keeps no fallbacks: only a compaction asks them again."""
+        if self.cache is None:
+            return frozenset()
+        keys = (self.cache.key(plan.scope, plan.history.token_ids, p.chunk, p.view) for p in plan.prompts)
+        return frozenset(k for k, key in enumerate(keys) if self._fell_back.get(key) is not None)
 
     def reusable(self, plan: CompactionPlan) -> frozenset[int]:
         """Chunks whose summary the chunk cache already holds: `run` sends no prompt for them."""

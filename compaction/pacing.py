@@ -114,29 +114,61 @@ class Escalation:
     request's priority; the copy reads what was prefilled in whole cache blocks from the prefix cache, and decodes
     again). NEXT prompts in flight are left as they are: they are never held in decode."""
 
-    def __init__(self, inner: Backend, priority: int, urgent: asyncio.Event | None = None, in_place: bool = False):
+    def __init__(
+        self,
+        inner: Backend,
+        priority: int,
+        urgent: asyncio.Event | None = None,
+        in_place: bool = False,
+        run: Escalation | None = None,
+    ):
         self.inner = inner
         self.priority = priority
         self.urgent = urgent or asyncio.Event()
         self.in_place = in_place
+        self.run = run  # one prompt's escalation (`prompt`): raised with its run too
         self.escalated = 0  # prompts raised to the agent's priority while in flight
+
+    def prompt(self) -> Escalation:
+        """The escalation of one of this run's prompts: raised with the run (its `urgent`), or alone (`hurry`) when
+        another run that needs its answer sooner joins it (`compaction.compactor`)."""
+        return Escalation(self.inner, self.priority, None, self.in_place, run=self)
+
+    def hurry(self) -> None:
+        """Its prompts go on at the agent's priority from now on."""
+        self.urgent.set()
+
+    def raised(self) -> bool:
+        return self.urgent.is_set() or (self.run is not None and self.run.raised())
 
     def current(self) -> int:
         """The priority its prompts go out at now."""
-        return AGENT if self.urgent.is_set() else self.priority
+        return AGENT if self.raised() else self.priority
+
+    async def until_raised(self) -> None:
+        """Until its prompts go at the agent's priority."""
+        events = [e.urgent for e in (self, self.run) if e is not None]
+        waits = [asyncio.ensure_future(e.wait()) for e in events]
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for wait in waits:
+                wait.cancel()
 
     async def generate(self, request: GenerationRequest) -> Generation:
-        if self.priority <= AGENT or self.urgent.is_set():
+        if self.priority <= AGENT or self.raised():
             return await self.inner.generate(replace(request, priority=AGENT))
         if self.priority == NEXT:
             return await self.inner.generate(replace(request, priority=NEXT))
         tag = uuid.uuid4().hex if self.in_place else None
         first = asyncio.ensure_future(self.inner.generate(replace(request, priority=self.priority, tag=tag)))
         try:
-            await _first_of(first, asyncio.ensure_future(self.urgent.wait()))
+            await first_of(first, asyncio.ensure_future(self.until_raised()))
             if first.done():
                 return first.result()
-            self.escalated += 1
+            for counted in (self, self.run):
+                if counted is not None:
+                    counted.escalated += 1
             if tag is not None and await self._raised(request, tag):
                 return await first
             first.cancel()
@@ -160,7 +192,7 @@ class Escalation:
         return True
 
 
-async def _first_of(call: asyncio.Future[Any], other: asyncio.Future[Any]) -> None:
+async def first_of(call: asyncio.Future[Any], other: asyncio.Future[Any]) -> None:
     """Until `call` or `other` is done; `other` is cancelled then."""
     try:
         await asyncio.wait({call, other}, return_when=asyncio.FIRST_COMPLETED)

@@ -132,13 +132,14 @@ class SessionCompactions:
             prefer = running.snapshot.length  # the reply after its history stays verbatim if it can
             if running.follow is not None:
                 running.follow.cancel()  # not done (or not this reply): its chunk would only be waited for
+        ended = None  # the session's run, done with here: what it still has in flight is cancelled after this turn
         if running is not None and running.rolling and state != "absent" and (state == "running" or follows):
-            running.hurry()  # its prompts go on at the agent's priority; the compaction below joins them
+            running.hurry()  # admitted now if queued; the compaction below joins its prompts, raising those it needs
             await running.in_flight()
-            self._sessions(turn).pop(turn.session_id or "")
+            ended = self._sessions(turn).pop(turn.session_id or "")
         elif running is not None and state != "absent":  # apply or wait for it; if it failed, say why
             result, note = await self._finish(running)
-            self._sessions(turn).pop(turn.session_id or "")
+            ended = self._sessions(turn).pop(turn.session_id or "")
         if not isinstance(result, ServiceResult):  # rolled (its summaries are in the chunk cache) or none
             result = None
         source: Literal["background", "blocking"] = "background" if result is not None else "blocking"
@@ -146,6 +147,9 @@ class SessionCompactions:
             return await self._apply(turn, tokenizer, result, source, began, note, prefer)
         except CompactionError as exc:
             return self._unapplied(turn, exc, note)
+        finally:
+            if ended is not None:
+                ended.cancel()  # e.g. an earlier turn's last chunk, still in flight: no compaction will take it
 
     def _room_for(self, turn: ChatTurn) -> bool:
         """Whether the turn's tenant may start one more background run (its own session's counts as replaced)."""
@@ -191,7 +195,7 @@ class SessionCompactions:
         job = running.job
         if job.model != model or len(job.messages) != messages or running.warmed.cancelled():
             return
-        follow = job.model_copy(update={"messages": [*job.messages, lean_message(reply)]})
+        follow = job.model_copy(update={"messages": [*job.messages, lean_message(reply)], "roll_reply": True})
         running.follow_digest = reply_digest(reply)
         roll, urgent, sent = self._roll, running.urgent, running.follow_sent
         running.follow = asyncio.create_task(lean(lambda: roll(follow, urgent, sent)), name=f"reply-{session}")

@@ -32,7 +32,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from compaction.backend import Backend, Generation, GenerationRequest
-from compaction.compactor import Compactor, request_id
+from compaction.compactor import Ahead, Compactor, request_id
 from compaction.errors import (
     CompactionError,
     DeadlineExceeded,
@@ -74,6 +74,7 @@ class CompactJob(BaseModel):
     tenant: str = DEFAULT_TENANT  # whose it is: dedup, the chunk-summary cache and sessions are per tenant
     cache_salt: str | None = None  # the tenant's prefix-cache salt on the engines (serving.tenants); None: unsalted
     roll_last: bool = False  # a rolling run (`Coordinator.roll`) summarises the plan's last chunk too
+    roll_reply: bool = False  # ... of a last run's history with the turn's reply: its last chunk replaces no other's
     prefer_tail_from: int | None = None  # the kept tail may start at this message instead (compaction.plan.kept_ends)
     tools: list[dict[str, Any]] | None = None  # the agent's tool list as the engine renders it (serving.wire.tools)
 
@@ -185,10 +186,11 @@ def _plan(compactor: Compactor, job: CompactJob) -> tuple[CompactionPlan, int]:
 
 
 def _whole_chunks_to_do(compactor: Compactor, job: CompactJob) -> tuple[CompactionPlan, list[int]]:
-    """The job's plan and its whole chunks that the chunk cache does not hold yet (run in a worker thread)."""
+    """The job's plan and its whole chunks that the chunk cache does not hold yet, nor a rolling run has seen fall
+    back (asked again at the threshold alone), run in a worker thread."""
     plan = compactor.plan(job.messages, job.options, namespace=job.tenant, tools=job.tools)
-    cached = compactor.reusable(plan)
-    return plan, [k for k in compactor.whole_chunks(plan, job.roll_last) if k not in cached]
+    done = compactor.reusable(plan) | compactor.fell_back(plan)
+    return plan, [k for k in compactor.whole_chunks(plan, job.roll_last) if k not in done]
 
 
 class Coordinator:
@@ -259,10 +261,10 @@ class Coordinator:
         self, job: CompactJob, urgent: asyncio.Event | None = None, sent: asyncio.Event | None = None
     ) -> int:
         """Summarise the whole chunks of the job's history into the chunk cache (with `roll_last`, its last chunk
-        too), at the job's priority (raised to the agent's once `urgent` is set), and merge nothing: a rolling
-        background run, whose summaries the compaction at the threshold takes from the cache, or joins while in
-        flight (`sent` is set once they are). Returns how many chunks it summarised; raises a CompactionError like
-        `compact`."""
+        too), at the job's priority, and merge nothing: a rolling background run, whose summaries the compaction at
+        the threshold takes from the cache, or joins while in flight (`sent` is set once they are), raising the
+        prompts it joins to the agent's priority; `urgent` set admits a run still queued at once. Returns how many
+        chunks it summarised; raises a CompactionError like `compact`."""
         runtime = self.runtime(job.model)
         timeout = job.timeout_s or self.admission.timeout_s
         try:
@@ -288,10 +290,15 @@ class Coordinator:
             # engines allow (never starved, never re-sent), else in its tool gaps as other background work.
             last = job.roll_last and job.priority == "background" and runtime.next_beside
             priority = NEXT if last else PRIORITIES[job.priority]
-            backend = Escalation(Salted(compactor.backend, job.cache_salt), priority, urgent, in_place=True)
-            # A chunk whose summary fell back is not kept: the compaction at the threshold asks the model again.
+            # Its prompts are raised one by one, by the compaction that joins them (`compaction.compactor`): `urgent`
+            # only admits it at once.
+            backend = Escalation(Salted(compactor.backend, job.cache_salt), priority, in_place=True)
+            # A chunk whose summary fell back is kept only when the summaries are greedy: the compaction at the
+            # threshold would ask the same prompts and have the same answers. Sampled, it asks the model again.
             routes = placement.routes()
-            await compactor.summarise(plan, todo, routes, backend, sent=sent, keep_fallbacks=False, ahead=job.roll_last)
+            ahead: Ahead | None = "reply" if job.roll_reply else "turn" if job.roll_last else None
+            greedy = job.options.temperature == 0
+            await compactor.summarise(plan, todo, routes, backend, sent=sent, keep_fallbacks=greedy, ahead=ahead)
         return len(todo)
 
     def refresh_gauges(self) -> None:

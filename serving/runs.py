@@ -81,7 +81,8 @@ class Running:
                 waiting.cancel()
 
     def hurry(self) -> None:
-        """A turn waits for it: its prompts, and those of the run beside it, go on at the agent's priority."""
+        """A turn waits for it: it and the run beside it are admitted at once, and their prompts go on at the agent's
+        priority (a rolling run's: those the turn's compaction joins, `compaction.compactor`)."""
         self.urgent.set()
         if self.beside is not None:
             self.beside.urgent.set()

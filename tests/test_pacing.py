@@ -163,3 +163,22 @@ async def test_an_engine_that_refuses_the_raise_gets_the_prompt_again_at_the_age
     assert len(inner.raised) == 1 and inner.sent == [BACKGROUND, AGENT]
     inner.release.set()
     assert (await call).text == "ok" and inner.done == [AGENT]
+
+
+async def test_one_prompt_of_a_run_is_raised_alone_and_the_run_raises_all_of_them() -> None:
+    """Another run that needs one prompt's answer now raises that prompt alone; a turn waiting for the run raises
+    every prompt it still has in flight (and counts them on the run)."""
+    inner = Marked()
+    run = Escalation(inner, BACKGROUND, in_place=True)
+    needed, other = run.prompt(), run.prompt()
+    calls = [asyncio.create_task(p.generate(GenerationRequest((k,), 1))) for k, p in enumerate((needed, other))]
+    await asyncio.sleep(0.01)
+    needed.hurry()
+    await asyncio.sleep(0.01)
+    assert [m.raises for m in inner.raised] == [(inner.tags[0],)] and other.current() == BACKGROUND
+    assert needed.current() == AGENT and run.escalated == 1
+    run.hurry()
+    await asyncio.sleep(0.01)
+    assert [m.raises for m in inner.raised] == [(inner.tags[0],), (inner.tags[1],)] and other.current() == AGENT
+    inner.release.set()
+    assert [(await c).text for c in calls] == ["ok", "ok"] and inner.sent == [BACKGROUND] * 2 and run.escalated == 2

@@ -9,7 +9,7 @@ import pytest
 
 from compaction.backend import GenerationRequest
 from compaction.chunk_cache import ChunkCache
-from compaction.compactor import Compactor
+from compaction.compactor import FALLBACKS, Compactor
 from compaction.errors import BackendError, InvalidInput
 from compaction.history import Message, chat_view, parse_messages
 from compaction.pacing import BACKGROUND
@@ -393,24 +393,25 @@ def booked(request: GenerationRequest) -> tuple[str, str]:
     return "The user booked trips and got their confirmation codes.", "stop"
 
 
-def cached_coordinator(tokenizer: HFChatTokenizer, replicas: FakeReplicas) -> Coordinator:
+def cached_coordinator(tokenizer: HFChatTokenizer, replicas: FakeReplicas, next_beside: bool = True) -> Coordinator:
     for backend in replicas.replicas.values():
         backend.script = booked if backend.script is short_summary else backend.script
     compactor = Compactor(tokenizer, replicas, context_window=8192, block_size=16, cache=ChunkCache())
-    return Coordinator({MODEL: ModelRuntime(compactor, replicas.count, batch_sequences=128)}, AdmissionConfig())
+    runtime = ModelRuntime(compactor, replicas.count, batch_sequences=128, next_beside=next_beside)
+    return Coordinator({MODEL: runtime}, AdmissionConfig())
 
 
 ROLLING = {"background_threshold": 700, "apply_background": "rolling"}
 
 
 async def rolled(
-    tokenizer: HFChatTokenizer, replicas: FakeReplicas
+    tokenizer: HFChatTokenizer, replicas: FakeReplicas, **entry: Any
 ) -> tuple[Coordinator, SessionCompactions, list[dict[str, Any]]]:
     """A rolling session past its soft threshold, once its first run has ended: (coordinator, sessions, history)."""
     served = cached_coordinator(tokenizer, replicas)
     sessions = SessionCompactions(served.compact, roll=served.roll)
     history: list[dict[str, Any]] = [SYSTEM, *conversation(0, 16)]
-    assert (await sessions.turn(turn(tokenizer, history, **ROLLING), tokenizer)).status == "running"
+    assert (await sessions.turn(turn(tokenizer, history, **ROLLING, **entry), tokenizer)).status == "running"
     await until(lambda: not sessions.running())
     return served, sessions, history
 
@@ -621,17 +622,21 @@ async def test_the_last_turn_before_the_threshold_rolls_beside_a_run_still_in_fl
     assert sent_so_far(replicas) == sent  # nothing asked at the threshold
 
 
-async def test_a_chunk_whose_rolled_summary_fell_back_is_summarised_again_at_the_threshold(
+def empty_in_the_background(request: GenerationRequest) -> tuple[str, str]:
+    return ("", "stop") if request.priority == BACKGROUND else booked(request)
+
+
+async def test_a_chunk_whose_sampled_rolled_summary_fell_back_is_summarised_again_at_the_threshold(
     tokenizer: HFChatTokenizer,
 ) -> None:
-    def empty_in_the_background(request: GenerationRequest) -> tuple[str, str]:
-        return ("", "stop") if request.priority == BACKGROUND else booked(request)
-
+    """Sampled summaries: a new draw may pass where the background's failed, so the threshold's compaction asks again
+    (and only it: later rolling runs leave the chunk alone)."""
     replicas = FakeReplicas()
     for backend in replicas.replicas.values():
         backend.script = empty_in_the_background  # every background summary is empty: the chunk falls back
-    served, sessions, history = await rolled(tokenizer, replicas)
-    rolling = ROLLING
+    sampled = {"temperature": 0.7}
+    served, sessions, history = await rolled(tokenizer, replicas, **sampled)
+    rolling = {**ROLLING, **sampled}
     before = [r for b in replicas.replicas.values() for r in b.requests]
     assert before and len(served.runtime(MODEL).compactor.cache or ()) == 0  # tried, and nothing kept
     history += [*conversation(16, 30), {"role": "user", "content": "Which trips are booked?"}]
@@ -646,6 +651,26 @@ async def test_a_chunk_whose_rolled_summary_fell_back_is_summarised_again_at_the
     both = {r.request_id.split("-")[1] for r in again if r.request_id.endswith("-retry")}
     assert both == fell_back and len(again) == outcome.stats.chunks + len(fell_back)
     assert all(c.status == "ok" and c.retries == 0 for c in outcome.stats.per_chunk)  # the first answers were good
+
+
+async def test_a_chunk_whose_greedy_rolled_summary_fell_back_is_taken_as_it_is_at_the_threshold(
+    tokenizer: HFChatTokenizer,
+) -> None:
+    """Greedy summaries: the threshold's compaction would ask the same prompts (the first, then the strict one) and
+    have the same answers, so the background's fallback is its own, taken without asking again."""
+    replicas = FakeReplicas()
+    for backend in replicas.replicas.values():
+        backend.script = lambda request: ("", "stop")  # every summary is empty: each chunk falls back
+    _, sessions, history = await rolled(tokenizer, replicas)
+    rolled_prompts = {tuple(r.prompt_token_ids) for b in replicas.replicas.values() for r in b.requests}
+    before = [r for b in replicas.replicas.values() for r in b.requests]
+    history += [*conversation(16, 30), {"role": "user", "content": "Which trips are booked?"}]
+    outcome = await sessions.turn(turn(tokenizer, history, **ROLLING), tokenizer)
+    assert outcome.status == "applied" and outcome.stats is not None and rolled_prompts
+    taken = [c for c in outcome.stats.per_chunk if c.reused]
+    assert len(taken) == len(rolled_prompts) // 2 and all(c.status in FALLBACKS for c in taken)
+    later = [r for b in replicas.replicas.values() for r in b.requests if all(r is not x for x in before)]
+    assert later and not rolled_prompts & {tuple(r.prompt_token_ids) for r in later}  # none asked again
 
 
 async def test_a_rolled_chunk_that_falls_back_after_the_threshold_raised_it_is_not_asked_a_third_time(
@@ -702,3 +727,40 @@ async def test_a_tool_using_agents_compaction_reads_what_its_turns_left_in_the_p
             first.cached_prompt_tokens / first.prompt_tokens,
         )
     assert figures[True][0] >= 0.9 and figures[True][1] >= 0.8 and figures[False][1] < 0.5, figures
+
+
+async def test_the_last_turns_before_the_threshold_share_their_chunks_and_only_the_newest_last_chunk_goes_on(
+    tokenizer: HFChatTokenizer,
+) -> None:
+    """Three last turns before the threshold on CPU engines (their runs at background priority), their prompts held on
+    the engines: each later run joins the chunks the first sent and gives up the earlier runs' last chunks (a later
+    turn's supersedes them); the turn past the threshold raises what it needs where it is, whichever run sent it, and
+    sends no prompt twice."""
+    turns = [[SYSTEM, *conversation(0, 16), {"role": "user", "content": "Question 0?"}]]
+    for i in (1, 2):
+        reply = {"role": "assistant", "content": f"Noted {i}."}
+        turns.append([*turns[-1], reply, {"role": "user", "content": f"Question {i}?"}])
+    history = [*turns[-1], {"role": "assistant", "content": "Noted."}, *conversation(18, 26)]
+    history.append({"role": "user", "content": "Which trips are booked?"})
+    alone = cached_coordinator(tokenizer, FakeReplicas())
+    blocking = await SessionCompactions(alone.compact).turn(turn(tokenizer, history, **ROLLING), tokenizer)
+    gate = asyncio.Event()
+    replicas = FakeReplicas(gate=gate)  # every prompt waits on the engines until the gate opens
+    served = cached_coordinator(tokenizer, replicas, next_beside=False)  # as on the CPU: last runs in the background
+    sessions = SessionCompactions(served.compact, roll=served.roll)
+    for messages in turns:  # one more turn this long would pass the threshold: each is a last turn's
+        last = turn(tokenizer, messages, **ROLLING).model_copy(update={"growth": 1200})
+        parked = replicas.parked
+        assert (await sessions.turn(last, tokenizer)).status == "running"
+        await until(lambda parked=parked: replicas.parked > parked)
+    sent = replicas.parked
+    outcome = asyncio.create_task(sessions.turn(turn(tokenizer, history, **ROLLING), tokenizer))
+    await until(lambda: replicas.parked > sent and len(replicas.raised) >= 2)
+    gate.set()
+    done = await outcome
+    assert done.status == "applied" and done.messages == blocking.messages and done.stats is not None
+    assert done.stats.reused_chunks == len(replicas.raised)  # the chunks in flight, raised where they were
+    requests = [r for b in replicas.replicas.values() for r in b.requests]
+    prompts = [tuple(r.prompt_token_ids) for r in requests]
+    assert len(prompts) == len(set(prompts))  # no prompt summarised twice
+    assert len(requests) < replicas.parked  # the earlier last chunks were given up on the engines

@@ -145,6 +145,34 @@ class Replica:
         self._settle()
         self._changed()
 
+    def cancel(self, request: Request) -> None:
+        """Drop a request no one will take (a rolling run's last chunk a later turn's run supersedes, what a session's
+        runs still have in flight once its compaction is done), as the service cancels it: what it holds is freed,
+        and it ends now (`done` fires, nothing more decoded)."""
+        if request.finished == request.finished or request.replica != self.index:
+            return
+        self._changing()
+        if self.prefilling is request:
+            self.prefilling = None
+        for queue in (self.waiting, self.held):
+            if request in queue:
+                queue.remove(request)
+        self.paused = [e for e in self.paused if e[2] is not request]  # its context was taken off when it paused
+        if any(e[2] is request for e in self.decoding):
+            self.decoding = [e for e in self.decoding if e[2] is not request]
+            heapq.heapify(self.decoding)
+            self.context -= request.prompt_tokens + request.output_tokens / 2
+            self.agent_decoding -= request.priority <= AGENT
+        if not self.decoding:
+            self.context = 0.0
+        if request.started == request.started:  # it reserved its KV when its prefill began
+            self.cache.release(request.namespace, request.reserved)
+            request.reserved = 0
+        request.finished = self.env.now
+        request.done.succeed(request)
+        self._settle()
+        self._changed()
+
     def _queue(self, request: Request) -> deque[Request]:
         return self.held if self.rule is not None and request.priority > AGENT else self.waiting
 

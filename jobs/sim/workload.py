@@ -141,15 +141,23 @@ class Session:
         priority: int = AGENT,
         kind: JobKind = "compaction",
         ahead: bool = False,
+        supersedes: bool = False,
     ) -> tuple[CompactionJob, list[Request]]:
         """The compaction of `cut`'s span without the chunks rolled already (rolling), and the rolled prompts it takes
         instead (done or in flight). `kind` roll: only the chunks not rolled yet, the span's last one only when
-        `ahead` (the last run before the threshold), put in `rolled` as they are sent."""
+        `ahead` (the last run before the threshold), put in `rolled` as they are sent; `supersedes` (a turn's last
+        run, not its reply's): earlier last chunks from one of its chunks' starts are given up, unless raised."""
         c = self.config
         block = self.cluster.profile.block_size
         prompts = prompt_lengths(self.namespace, cut, c.options(), block, ChunkTokens(tail=c.tail_tokens))
         chunks = partition(*cut, c.chunk_tokens, block) if self._rolling() else ()
         keys = [(ch.start, ch.end, ch.end == cut[1]) for ch in chunks]
+        if supersedes:
+            starts = {key[0] for key in keys}
+            for key in [k for k in self.rolled if k[2] and k[0] in starts and k not in keys]:
+                request = self._rolled(key)
+                if request is None or request.priority > AGENT:
+                    self._drop(key)
         taken = [r for key in keys if (r := self._rolled(key)) is not None]
         if not chunks:
             todo = list(range(len(prompts)))
@@ -170,6 +178,13 @@ class Session:
         job, index = self.rolled.get(key, (None, 0))
         return job.dispatched[index] if job is not None and index < len(job.dispatched) else None
 
+    def _drop(self, key: tuple[int, int, bool]) -> None:
+        """A rolled chunk no compaction will take: its prompt cancelled on its replica if in flight."""
+        request = self._rolled(key)
+        del self.rolled[key]
+        if request is not None:
+            self.cluster.replicas[request.replica].cancel(request)
+
     def _rolling(self) -> bool:
         c = self.config
         return c.mode == "background" and c.apply_background == "rolling" and c.strategy == "parallel"
@@ -182,7 +197,9 @@ class Session:
         self.starts = [head + t - tail for t in self.starts if t >= tail]
         self.tokens, self.head = head + self.tokens - tail, head
         self.epoch += 1
-        self.background, self.follow, self.rolled = None, None, {}
+        for key in list(self.rolled):  # what the session's runs still have in flight is cancelled
+            self._drop(key)
+        self.background, self.follow = None, None
 
     def _head_after(self, cut: tuple[int, int]) -> int:
         """Tokens before the tail once `cut` is compacted: the system prompt, the summaries carried (when the span
@@ -258,7 +275,7 @@ class Session:
         priority = BACKGROUND if c.yielding else AGENT
         if self._rolling():
             last = last_before_threshold(self.tokens, growth, self.entry)
-            self.background, self.follow = self._start_roll(last, growth, recorder), None
+            self.background, self.follow = self._start_roll(last, growth, recorder, supersedes=last), None
             return
         cut = self.cut(self.tokens, max(0, c.keep_recent_tokens - growth))
         job, _ = self.job(cut, observation, priority)
@@ -266,13 +283,13 @@ class Session:
         ready = self.cluster.env.process(self._warm(compaction)) if c.warm else compaction
         self.background = _Background(job, self.tokens, cut, compaction, ready)
 
-    def _start_roll(self, last: bool, growth: int, recorder: Recorder) -> _Background:
+    def _start_roll(self, last: bool, growth: int, recorder: Recorder, supersedes: bool = False) -> _Background:
         """A rolling run: the whole chunks one more turn of `growth` leaves older than keep_recent_tokens, or, `last`,
-        every chunk of the history; only those not rolled yet are sent."""
+        every chunk of the history; only those not rolled yet are sent (`job`'s `supersedes`)."""
         c = self.config
         keep = 0 if last else max(0, c.keep_recent_tokens - growth)
         cut = self.cut(self.tokens, keep, current_turn=not last)
-        job, _ = self.job(cut, 0, BACKGROUND if c.yielding else AGENT, "roll", ahead=last)
+        job, _ = self.job(cut, 0, BACKGROUND if c.yielding else AGENT, "roll", ahead=last, supersedes=supersedes)
         recorder.rolled_chunks += len(job.prompts)
         if job.prompts:
             process = self.cluster.env.process(self.cluster.compact(job))

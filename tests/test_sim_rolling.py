@@ -64,6 +64,22 @@ def test_a_held_background_decode_raised_to_the_agents_priority_goes_on_from_whe
     assert background.finished < agent.finished
 
 
+def test_a_cancelled_background_request_frees_the_engine_for_the_next_and_ends_at_once() -> None:
+    """A rolling run's last chunk a later turn's run supersedes is cancelled where it is (`serving.background`):
+    it ends then, its memory goes back, and the request queued behind it runs as if it had never been sent."""
+    env, engine = replica(CPU_RULE)
+    superseded, needed = request(env, 100, "b", BACKGROUND), request(env, 100, "c", BACKGROUND)
+    engine.submit(superseded)
+    engine.submit(needed)  # one decode batch of two (12 ms steps)
+    env.run(until=0.2)
+    engine.cancel(superseded)
+    assert superseded.done.triggered and superseded.finished == pytest.approx(0.2)
+    env.run()
+    decoded = (0.2 - 2 * 0.008) / 0.012  # toy: two 8 ms prefills, then 12 ms steps for two
+    assert needed.finished == pytest.approx(0.2 + (100 - decoded) * 0.011, rel=0.01)  # then 11 ms steps alone
+    assert engine.cache.allocated == 0 and not engine.busy
+
+
 def play(config: SimConfig, turns: int = 30) -> tuple[Recorder, list[int]]:
     env = simpy.Environment()
     from jobs.sim.cluster import Cluster

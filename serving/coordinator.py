@@ -293,12 +293,12 @@ class Coordinator:
             # Its prompts are raised one by one, by the compaction that joins them (`compaction.compactor`): `urgent`
             # only admits it at once.
             backend = Escalation(Salted(compactor.backend, job.cache_salt), priority, in_place=True)
-            # A chunk whose summary fell back is kept only when the summaries are greedy: the compaction at the
-            # threshold would ask the same prompts and have the same answers. Sampled, it asks the model again.
+            # A chunk whose summary fell back is not kept: the compaction at the threshold asks the model again
+            # (greedy answers differ with the batch a prompt decodes in: rolled chunks fell back where blocking's
+            # did not).
             routes = placement.routes()
             ahead: Ahead | None = "reply" if job.roll_reply else "turn" if job.roll_last else None
-            greedy = job.options.temperature == 0
-            await compactor.summarise(plan, todo, routes, backend, sent=sent, keep_fallbacks=greedy, ahead=ahead)
+            await compactor.summarise(plan, todo, routes, backend, sent=sent, keep_fallbacks=False, ahead=ahead)
         return len(todo)
 
     def refresh_gauges(self) -> None:

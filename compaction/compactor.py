@@ -224,7 +224,7 @@ class Compactor:
         if other is not None:
             await _join(other, backend)
             # A fallback is taken as it is from a run that keeps them, or from a prompt raised to the agent's
-            # priority before it ended (that turn's own compaction would have asked the same, greedily).
+            # priority before it ended (the turn waited for that answer as for its own compaction's).
             # A background run takes it in any case: only the compaction at the threshold asks again.
             taken = other.keeps_fallbacks or urgency(other.backend) <= AGENT or urgency(backend) > AGENT
             if not other.done.cancelled() and (taken or other.done.result()[0].status not in FALLBACKS):

@@ -54,7 +54,6 @@ class _InFlight:
 
     backend: Backend
     done: asyncio.Future[_Kept]
-    keeps_fallbacks: bool  # False (a rolling run): a chunk that fell back is summarised again by whoever waited
 
 
 def urgency(backend: Backend) -> int:
@@ -154,14 +153,14 @@ class Compactor:
         routes: Sequence[str | None] | None = None,
         backend: Backend | None = None,
         sent: asyncio.Event | None = None,
-        keep_fallbacks: bool = True,
+        ask_fallbacks_again: bool = False,
         ahead: Ahead | None = None,
     ) -> dict[int, _Kept]:
         """The summaries of these chunks of a plan, all sent at once; from the chunk cache where it has them.
         If any chunk fails for good, the error propagates and the other requests are cancelled. `sent` is set
         once every chunk's prompt is in flight (another run of the same prompts then joins them);
-        `keep_fallbacks` False: a chunk that fell back (no model summary passed the checks) is not put in the
-        chunk cache, so the next compaction asks the model again; `ahead`: the plan is a guess at a later
+        `ask_fallbacks_again` (a background run): a chunk that fell back (no model summary passed the checks) is
+        asked again at once, both prompts together, and that answer kept; `ahead`: the plan is a guess at a later
         compaction's (a rolling run's), so its last chunk is kept as one that only ends a span (`ChunkCache.put`),
         and is given up once a later turn's supersedes it (`_newest_last`; "reply": the run of the last turn's
         history with its reply, which supersedes none)."""
@@ -176,7 +175,9 @@ class Compactor:
             async with asyncio.TaskGroup() as group:
                 tasks = {
                     k: group.create_task(
-                        self._summarise_and_keep(target, plan, k, keys[k], keep_fallbacks, ahead if k == last else None)
+                        self._summarise_and_keep(
+                            target, plan, k, keys[k], ask_fallbacks_again, ahead if k == last else None
+                        )
                     )
                     for k in wanted
                     if k not in reused
@@ -205,7 +206,7 @@ class Compactor:
         plan: CompactionPlan,
         k: int,
         route: str | None,
-        keep_fallbacks: bool = True,
+        ask_fallbacks_again: bool = False,
         last: Ahead | None = None,
     ) -> _Kept | None:
         """Chunk k's summary, put in the chunk cache the moment it is done: a run cancelled (its deadline, a
@@ -214,7 +215,7 @@ class Compactor:
         The same prompt already being summarised (a rolling background run's, `serving.background`) is joined
         instead of sent again, and raised to this run's priority where it is whenever this run's is more urgent (a
         turn's compaction at the threshold, or a background run a turn waits for: `compaction.pacing.Escalation`);
-        if that run fails or is cancelled (or, keeping no fallbacks, fell back unraised), this one sends it. A rolling
+        if that run fails or is cancelled, this one sends it. A rolling
         run's last chunk (`last`) is None once a later run's supersedes it (`_newest_last`)."""
         if self.cache is None or not plan.options.reuse_chunks:
             return await self._summarise(backend, plan, k, route)
@@ -223,30 +224,30 @@ class Compactor:
         other = self._in_flight.get(key)
         if other is not None:
             await _join(other, backend)
-            # A fallback is taken as it is from a run that keeps them, or from a prompt raised to the agent's
-            # priority before it ended (the turn waited for that answer as for its own compaction's).
-            # A background run takes it in any case: only the compaction at the threshold asks again.
-            taken = other.keeps_fallbacks or urgency(other.backend) <= AGENT or urgency(backend) > AGENT
-            if not other.done.cancelled() and (taken or other.done.result()[0].status not in FALLBACKS):
-                return _as_reused(other.done.result(), k)
+            if not other.done.cancelled():
+                return _as_reused(other.done.result(), k)  # fell back or not, it is what a compaction keeps
         elif (done := self._cached(plan, k)) is not None:
             return done  # another run finished it since this one was planned
         own = backend.prompt() if isinstance(backend, Escalation) else backend  # raised alone by a run joining it
-        mine = _InFlight(own, asyncio.get_running_loop().create_future(), keep_fallbacks)
+        mine = _InFlight(own, asyncio.get_running_loop().create_future())
         self._in_flight[key] = mine
         try:
-            work = self._summarise(own, plan, k, route, both=self._fell_back.pop(key) is not None)
+            both = self._fell_back.pop(key) is not None
+            work = self._summarise(own, plan, k, route, both=both)
             if (kept := await (work if last is None else self._newest_last(key, work))) is None:
                 return None
+            # A background chunk that fell back is asked again at once, both its prompts together, as a compaction
+            # would ask it, and that answer is kept, fallback or not: the tool gaps take the second asking, not the
+            # threshold's wait. Raised to the agent's priority before it ended, a chunk was asked for the turn
+            # waiting for it, as that turn's own compaction would: its fallback is that compaction's, kept too.
+            if ask_fallbacks_again and not both and urgency(own) > AGENT and kept[0].status in FALLBACKS:
+                self._fell_back.put(key, True)  # this run cancelled first: the next one to ask sends both
+                again = self._summarise(own, plan, k, route, both=True)
+                if (kept := await (again if last is None else self._newest_last(key, again))) is None:
+                    return None
+                self._fell_back.pop(key)
             stats, text = kept
-            # Raised to the agent's priority before it ended, a background chunk was asked for the turn waiting for
-            # it, as that turn's own compaction would: its fallback is that compaction's, kept too.
-            if keep_fallbacks or stats.status not in FALLBACKS or urgency(own) <= AGENT:
-                self.cache.put(
-                    plan.scope, plan.history.token_ids, prompt.chunk, prompt.view, text, stats, last is not None
-                )
-            else:
-                self._fell_back.put(key, True)
+            self.cache.put(plan.scope, plan.history.token_ids, prompt.chunk, prompt.view, text, stats, last is not None)
             mine.done.set_result((stats, text))
             return stats, text
         finally:
@@ -284,13 +285,6 @@ class Compactor:
                 self._lasts.put(start, lasts)
             else:
                 self._lasts.pop(start)
-
-    def fell_back(self, plan: CompactionPlan) -> frozenset[int]:
-        """Chunks whose summary fell back in a run that keeps no fallbacks: only a compaction asks them again."""
-        if self.cache is None:
-            return frozenset()
-        keys = (self.cache.key(plan.scope, plan.history.token_ids, p.chunk, p.view) for p in plan.prompts)
-        return frozenset(k for k, key in enumerate(keys) if self._fell_back.get(key) is not None)
 
     def reusable(self, plan: CompactionPlan) -> frozenset[int]:
         """Chunks whose summary the chunk cache already holds: `run` sends no prompt for them."""

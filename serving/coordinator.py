@@ -189,7 +189,7 @@ def _whole_chunks_to_do(compactor: Compactor, job: CompactJob) -> tuple[Compacti
     """The job's plan and its whole chunks that the chunk cache does not hold yet, nor a rolling run has seen fall
     back (asked again at the threshold alone), run in a worker thread."""
     plan = compactor.plan(job.messages, job.options, namespace=job.tenant, tools=job.tools)
-    done = compactor.reusable(plan) | compactor.fell_back(plan)
+    done = compactor.reusable(plan)
     return plan, [k for k in compactor.whole_chunks(plan, job.roll_last) if k not in done]
 
 
@@ -298,7 +298,7 @@ class Coordinator:
             # did not).
             routes = placement.routes()
             ahead: Ahead | None = "reply" if job.roll_reply else "turn" if job.roll_last else None
-            await compactor.summarise(plan, todo, routes, backend, sent=sent, keep_fallbacks=False, ahead=ahead)
+            await compactor.summarise(plan, todo, routes, backend, sent=sent, ask_fallbacks_again=True, ahead=ahead)
         return len(todo)
 
     def refresh_gauges(self) -> None:

@@ -186,8 +186,7 @@ def _plan(compactor: Compactor, job: CompactJob) -> tuple[CompactionPlan, int]:
 
 
 def _whole_chunks_to_do(compactor: Compactor, job: CompactJob) -> tuple[CompactionPlan, list[int]]:
-    """The job's plan and its whole chunks that the chunk cache does not hold yet, nor a rolling run has seen fall
-    back (asked again at the threshold alone), run in a worker thread."""
+    """The job's plan and its whole chunks that the chunk cache does not hold yet, run in a worker thread."""
     plan = compactor.plan(job.messages, job.options, namespace=job.tenant, tools=job.tools)
     done = compactor.reusable(plan)
     return plan, [k for k in compactor.whole_chunks(plan, job.roll_last) if k not in done]
@@ -293,9 +292,8 @@ class Coordinator:
             # Its prompts are raised one by one, by the compaction that joins them (`compaction.compactor`): `urgent`
             # only admits it at once.
             backend = Escalation(Salted(compactor.backend, job.cache_salt), priority, in_place=True)
-            # A chunk whose summary fell back is not kept: the compaction at the threshold asks the model again
-            # (greedy answers differ with the batch a prompt decodes in: rolled chunks fell back where blocking's
-            # did not).
+            # A chunk whose summary fell back is asked again at once, both prompts together, and that answer kept
+            # (greedy answers differ with the batch a prompt decodes in: a first fallback is not kept as final).
             routes = placement.routes()
             ahead: Ahead | None = "reply" if job.roll_reply else "turn" if job.roll_last else None
             await compactor.summarise(plan, todo, routes, backend, sent=sent, ask_fallbacks_again=True, ahead=ahead)

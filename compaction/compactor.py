@@ -215,8 +215,8 @@ class Compactor:
         The same prompt already being summarised (a rolling background run's, `serving.background`) is joined
         instead of sent again, and raised to this run's priority where it is whenever this run's is more urgent (a
         turn's compaction at the threshold, or a background run a turn waits for: `compaction.pacing.Escalation`);
-        if that run fails or is cancelled, this one sends it. A rolling
-        run's last chunk (`last`) is None once a later run's supersedes it (`_newest_last`)."""
+        if that run fails or is cancelled, this one sends it. A rolling run's last chunk (`last`) is None once a
+        later run's supersedes it (`_newest_last`)."""
         if self.cache is None or not plan.options.reuse_chunks:
             return await self._summarise(backend, plan, k, route)
         prompt = plan.prompts[k]

@@ -307,6 +307,7 @@ class Compactor:
         opts = plan.options
         began = time.perf_counter()
         source = self._source(plan, k)
+        tails = [self.tokenizer.decode(prompts[k].tail) for prompts in (plan.prompts, plan.strict_prompts)]
 
         def request(strict: bool) -> GenerationRequest:
             return GenerationRequest(
@@ -325,10 +326,11 @@ class Compactor:
         spent: list[Attempt] = []  # every attempt made, for the stats
         if both and opts.retry_bad_summaries and not opts.fixed_output_tokens:
             first, strict = await asyncio.gather(backend.generate(request(False)), backend.generate(request(True)))
-            spent = [Attempt.of(first, source), Attempt.of(strict, source)]
+            spent = [Attempt.of(first, source, tails[0]), Attempt.of(strict, source, tails[1])]
             attempts = spent if should_retry(spent[:1], opts) else spent[:1]
         while not attempts or should_retry(attempts, opts):
-            attempts.append(Attempt.of(await backend.generate(request(bool(attempts))), source))
+            again = bool(attempts)
+            attempts.append(Attempt.of(await backend.generate(request(again)), source, tails[again]))
         chunk = plan.chunks[k]
         kept = settle(
             attempts,
@@ -336,7 +338,6 @@ class Compactor:
             source,
             verbatim=lambda: self.tokenizer.decode(plan.history.token_ids[chunk.start : chunk.end]).strip(),
             extractive=lambda: self._extractive_text(plan, chunk),
-            instructions=self.tokenizer.decode(plan.prompts[k].tail),
         )
         return self._chunk_stats(plan, k, attempts, kept, time.perf_counter() - began, spent), kept.text
 

@@ -35,7 +35,9 @@ class ChunkStats(BaseModel):
         "extractive (strategy extractive)."
     )
     first_verdict: Verdict | None = Field(
-        default=None, description="The first summary: ok, empty or runaway. None when no model was asked."
+        default=None,
+        description="The first summary: ok, empty, runaway or echo (its instructions and nothing else). None when "
+        "no model was asked.",
     )
     first_grounding: float | None = Field(
         default=None,
@@ -108,7 +110,9 @@ class CompactionStats(BaseModel):
     )
     user_words_dropped: int = Field(0, description="User messages of the span over that budget: only summarised.")
     user_words_tokens: int = Field(0, description="Tokens of the user-words block in the compacted head.")
-    empty_or_runaway_chunks: list[int] = Field(description="Chunks whose first summary was empty or a runaway.")
+    empty_or_runaway_chunks: list[int] = Field(
+        description="Chunks whose first summary was empty, a runaway or an echo of its instructions."
+    )
     grounding_threshold: float = Field(default=0.0, description="The grounding threshold applied (0: no check).")
     ungrounded_chunks: list[int] = Field(
         default_factory=list, description="Chunks whose first summary fell below the grounding threshold."

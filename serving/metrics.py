@@ -77,7 +77,7 @@ SPECS: tuple[MetricSpec, ...] = (
     MetricSpec(
         "compaction_chunk_retries",
         "counter",
-        "Chunk prompts sent again because the first summary was empty or a runaway.",
+        "Chunk prompts sent again because the first summary was empty, a runaway, an echo or ungrounded.",
         ("model",),
     ),
     MetricSpec(
@@ -86,7 +86,8 @@ SPECS: tuple[MetricSpec, ...] = (
     MetricSpec(
         "compaction_bad_chunks",
         "counter",
-        "Chunks whose summary was empty or a runaway, by what was kept: retried, runaway_trimmed, kept_verbatim.",
+        "Chunks whose first summary was not kept as it came, by what was kept: retried, runaway_trimmed, "
+        "kept_verbatim, extractive_fallback.",
         ("model", "status"),
     ),
     MetricSpec(

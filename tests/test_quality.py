@@ -34,3 +34,26 @@ def test_sentences_restating_the_instructions_are_dropped_and_content_is_kept() 
     assert drop_instructions(text, tail) == ("Caroline moved from Sweden 4 years ago.", 2)
     for content in ("This is a conversation between Caroline and Melanie.", "They talked about plans and decisions."):
         assert drop_instructions(content, tail) == (content, 0)
+
+
+def test_a_summary_that_is_nothing_but_its_instructions_is_an_echo() -> None:
+    tail = (
+        "Summarise the conversation. Use at most 20 words. This part is a conversation: keep who said what, "
+        "names, dates, places, plans and decisions. Write only the summary."
+    )
+    echo = "This part is a conversation: keep who said what,\nWrite only the summary."
+    assert judge(echo, "stop", instructions=tail) == "echo"
+    assert judge(echo, "stop") == "ok"  # without the prompt's instructions nothing is an echo
+    assert judge(f"{echo} Caroline moved from Sweden 4 years ago.", "stop", instructions=tail) == "ok"
+    assert judge("They talked about plans and decisions.", "stop", instructions=tail) == "ok"
+
+
+def test_the_chunk_opening_a_tail_quotes_is_content_not_instructions() -> None:
+    tail = (
+        "Summarise part 2 of the conversation above: only the last part, which begins with “we walked up to the "
+        "castle with my sister” and runs to the end. Write only the summary."
+    )
+    said = "We walked up to the castle with my sister."
+    assert drop_instructions(said, tail) == (said, 0)
+    assert judge(said, "stop", instructions=tail) == "ok"
+    assert judge("Summarise only the last part of the conversation.", "stop", instructions=tail) == "echo"

@@ -1,7 +1,9 @@
-"""Detecting empty and runaway summaries, and cleaning up a runaway one.
+"""Detecting empty, runaway and echoed summaries, and cleaning up a runaway one.
 
 Small models loop: SmolLM2's sequential summary of a 4k-token LoCoMo history repeated one line
-until max_tokens. Reasoning models can return empty text. Neither may be spliced in silently.
+until max_tokens. Reasoning models can return empty text. SmolLM2 also answers a chunk prompt now
+and then with its instructions and nothing else ("This part is a conversation: keep who said what").
+None of them may be spliced in silently.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from typing import Literal
 
 from compaction.checks.grounding import salient_tokens
 
-Verdict = Literal["ok", "empty", "runaway"]
+Verdict = Literal["ok", "empty", "runaway", "echo"]
 
 
 def _ngrams(words: list[str], n: int) -> list[tuple[str, ...]]:
@@ -60,11 +62,15 @@ def repeated_sentences(text: str) -> int:
     return repeats
 
 
-def judge(text: str, finish_reason: str, threshold: float = 0.35) -> Verdict:
-    """`empty` if nothing but white space came back; `runaway` if it repeats a sentence, or repeats its
-    word 6-grams (at least `threshold` of them) while running to max_tokens."""
+def judge(text: str, finish_reason: str, threshold: float = 0.35, instructions: str = "") -> Verdict:
+    """`empty` if nothing but white space came back; `echo` if every sentence restates `instructions` (the
+    prompt's, `drop_instructions`); `runaway` if it repeats a sentence, or repeats its word 6-grams (at least
+    `threshold` of them) while running to max_tokens."""
     if not text.strip():
         return "empty"
+    rest, restated = drop_instructions(text, instructions) if instructions else (text, 0)
+    if restated and not rest:
+        return "echo"
     if repeated_sentences(text) or (finish_reason == "length" and repetition_ratio(text) >= threshold):
         return "runaway"
     return "ok"
@@ -84,12 +90,14 @@ def collapse_repeats(text: str) -> str:
 
 
 ECHO_SHARE = 0.8  # a sentence whose words are mostly the instructions' restates them
+_QUOTED = re.compile(r"“[^”]*”")
 
 
 def drop_instructions(text: str, instructions: str) -> tuple[str, int]:
     """`text` without the sentences that restate the prompt's instructions ("This is a conversation: keep who
-    said what,"), and how many went. A sentence that names anything (a salient token) is content, kept."""
-    words = set(_key(instructions))
+    said what,"), and how many went. A sentence that names anything (a salient token) is content, kept; what the
+    instructions quote (the chunk's opening words) is content too, not instructions."""
+    words = set(_key(_QUOTED.sub(" ", instructions)))
     kept, dropped = [], 0
     for piece in _PIECES.split(text):
         key = _key(piece)

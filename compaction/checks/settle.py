@@ -1,10 +1,11 @@
 """What text is kept for one chunk: the checks of its model summaries, the retry rule, the fallbacks.
 
-Every attempt is judged (empty, runaway) and checked for grounding. A chunk whose first summary
-fails either check is retried once with a stricter tail. Of the attempts, the best is kept; then
-nothing bad reaches the output: an empty summary becomes the chunk's text (nothing lost), a
-runaway keeps each sentence once, a summary below the grounding threshold becomes the chunk's
-extractive summary, and a grounded-enough one loses the sentences that state invented tokens.
+Every attempt is judged (empty, runaway, an echo of its prompt's instructions) and checked for
+grounding. A chunk whose first summary fails either check is retried once with a stricter tail. Of
+the attempts, the best is kept; then nothing bad reaches the output: an empty summary becomes the
+chunk's text (nothing lost), a runaway keeps each sentence once, an echo or a summary below the
+grounding threshold becomes the chunk's extractive summary, and a grounded-enough one loses the
+sentences that state invented tokens or restate the instructions.
 """
 
 from __future__ import annotations
@@ -24,13 +25,15 @@ class Attempt:
     """One model summary of a chunk and its two checks."""
 
     generation: Generation  # what the backend returned
-    verdict: Verdict  # ok, empty or runaway
+    verdict: Verdict  # ok, empty, runaway or echo
     grounding: Grounding  # its salient tokens against the chunk's source
+    instructions: str = ""  # the prompt's tail: sentences restating it are no summary
 
     @classmethod
-    def of(cls, generation: Generation, source: Source) -> Attempt:
+    def of(cls, generation: Generation, source: Source, instructions: str = "") -> Attempt:
         text = generation.text.strip()
-        return cls(generation, judge(text, generation.finish_reason), source.check(text))
+        verdict = judge(text, generation.finish_reason, instructions=instructions)
+        return cls(generation, verdict, source.check(text), instructions)
 
     def grounded(self, threshold: float) -> bool:
         return threshold == 0 or self.grounding.score >= threshold
@@ -74,14 +77,13 @@ def settle(
     source: Source,
     verbatim: Callable[[], str],
     extractive: Callable[[], str],
-    instructions: str = "",
 ) -> Settled:
     """The kept text of a chunk from its attempts. `verbatim` and `extractive` give the chunk's fallbacks;
-    sentences restating `instructions` (the prompt's tail) are dropped, and a summary that was nothing else
+    sentences restating the kept attempt's instructions are dropped, and a summary that was nothing else
     falls back to the extractive text."""
     threshold = options.grounding_threshold
     best = _best(attempts, threshold)
-    text, echoed = drop_instructions(best.generation.text.strip(), instructions)
+    text, echoed = drop_instructions(best.generation.text.strip(), best.instructions)
     if echoed and not text:
         fallback = extractive()
         return Settled(fallback, "extractive_fallback", echoed, source.check(fallback))

@@ -15,7 +15,7 @@ from compaction.pacing import BACKGROUND, CPU_RULE, YieldRule
 from jobs.sim.config import SimConfig
 from jobs.sim.engine import Replica, Request
 from jobs.sim.profiles import load_profile
-from jobs.sim.replay import MEAN_PROMPT_WITHIN, MODES, measured, simulate
+from jobs.sim.replay import MEAN_PROMPT_WITHIN, MODES, config, measured, simulate
 from jobs.sim.workload import Recorder, Script, Session
 from tests.test_sim import toy_profile
 
@@ -105,6 +105,20 @@ def test_a_rolling_session_compacts_as_blocking_does_from_chunks_rolled_in_its_t
     assert sum(rolling.stalls) < 0.5 * sum(blocking.stalls)  # the rolled chunks were done in the 5 s gaps
 
 
+def test_chunk_prompts_asked_again_decode_twice_and_a_blocking_compaction_waits_for_both_attempts() -> None:
+    base = SimConfig(
+        profile="toy", sessions=1, replicas=1, tau=4096, chunk_tokens=256, summary_tokens=96, keep_recent_tokens=512,
+        system_tokens=64, warm_start=False, ramp_s=0,
+    )  # fmt: skip
+    first, _ = play(base)
+    again, prompts = play(base.model_copy(update={"retry_share": 1.0}))
+    assert again.compacted_at == first.compacted_at and len(first.compacted_at) >= 2
+    assert prompts == play(base)[1]  # the same prompts: a retry changes what a compaction costs, not its size
+    per_chunk = 16  # the floor of summary_tokens split over a compaction's ~14 chunks
+    for waited, once in zip(again.stalls, first.stalls, strict=True):  # every chunk decoded twice, one after the other
+        assert waited - once >= per_chunk * 0.011  # at least that many more decode steps (toy: 11 ms alone)
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_the_replay_of_a_recorded_agent_loop_compacts_as_often_and_answers_from_prompts_as_long(mode: str) -> None:
     """The simulator's sessions follow the service's turn policy: a recorded `jobs.bench.agent` run (LoCoMo, Codex
@@ -115,6 +129,19 @@ def test_the_replay_of_a_recorded_agent_loop_compacts_as_often_and_answers_from_
     real, sim = measured(mode, record), simulate(mode, record, load_profile("cpu-smollm2"))
     assert sim.compactions == real.compactions
     assert sim.mean_prompt_tokens == pytest.approx(real.mean_prompt_tokens, rel=MEAN_PROMPT_WITHIN)
+
+
+def test_a_replay_asks_again_the_share_of_chunks_the_run_did_and_waits_longer_for_it() -> None:
+    record = json.loads(RECORD.read_text())
+    profile = load_profile("cpu-smollm2")
+    before = simulate("blocking_parallel", record, profile)
+    for turn in record["turns"]["blocking_parallel"]:
+        if stats := turn["compaction"]:  # one chunk of each asked twice, its attempts' decode counted in the total
+            stats["per_chunk"] = [{"retries": 1, "status": "retried"}] + [{"retries": 0, "status": "ok"}] * 3
+            stats["chunks"], stats["retries"] = 4, 1
+    assert config("blocking_parallel", record, profile.name).retry_share == 0.25
+    after = simulate("blocking_parallel", record, profile)
+    assert after.compactions == before.compactions and after.stall_s > before.stall_s
 
 
 def test_a_replay_of_a_file_that_is_not_a_benchmark_record_says_what_it_lacks(tmp_path: Path) -> None:

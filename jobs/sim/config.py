@@ -76,6 +76,13 @@ class SimConfig(BaseModel):
     max_queued_compactions: int | None = Field(None, ge=0, le=1_000_000, description="Queue beyond them; then 429.")
     retry_after_s: float = Field(5.0, ge=0, le=3600, description="A refused blocking compaction retries after this.")
     tail_tokens: int = Field(90, ge=0, le=4096, description="Tokens of a chunk prompt's instruction tail.")
+    retry_share: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="Share of chunk prompts whose first summary fails its checks (empty, runaway, echo, ungrounded) "
+        "and is asked again, strictly, once it is done: that chunk decodes twice, one attempt after the other.",
+    )
     seed: int = Field(0, ge=0, description="Random seed of arrivals, think times and stream offsets.")
 
     @model_validator(mode="after")

@@ -8,8 +8,9 @@ simulated session (`jobs.sim.workload.Script`: what each turn added to the histo
 answer lengths) under the mode's context_management entry, on an engine profile (calibrated on the machine the
 benchmark ran on: `python -m jobs.sim calibrate`). It compares what the service's turn policy decided and what that
 cost: compactions, the mean prompt a turn was answered from, and the agent's wait for compaction. A compaction's
-size is the run's own (the mean summary tokens it decoded and kept): the simulator decides when and what to
-compact and how long it takes, not what the model writes.
+size is the run's own (the mean summary tokens it decoded and kept), and so is the share of its chunks whose
+first summary failed the checks and was asked again (`SimConfig.retry_share`, drawn per chunk prompt): the
+simulator decides when and what to compact and how long it takes, not what the model writes.
 """
 
 from __future__ import annotations
@@ -64,7 +65,10 @@ def config(mode: str, record: Mapping[str, Any], profile: str) -> SimConfig:
     tau, soft = settings["compact_threshold"], settings["background_threshold"]
     background = mode in ("background_parallel", "rolling_parallel")
     stats = [t["compaction"] for t in record["turns"][mode] if t["compaction"]]
-    decoded = [s["output_tokens"] / max(1, s["chunks"] - s.get("reused_chunks", 0)) * s["chunks"] for s in stats]
+    asked = [s["output_tokens"] / max(1, s["chunks"] - s.get("reused_chunks", 0) + s.get("retries", 0)) for s in stats]
+    decoded = [per_attempt * s["chunks"] for per_attempt, s in zip(asked, stats, strict=True)]
+    chunks = [c for s in stats for c in s.get("per_chunk", ())]  # a record trimmed to the totals: none asked again
+    again = sum(c["retries"] > 0 or c["status"] != "ok" for c in chunks)  # rolled ones by the status they kept
     return SimConfig(
         profile=profile, replicas=1, sessions=1, duration_s=7 * 86_400, warm_start=False, ramp_s=0,
         mode="background" if background else "blocking", tau=tau, background_share=soft / tau,
@@ -73,7 +77,7 @@ def config(mode: str, record: Mapping[str, Any], profile: str) -> SimConfig:
         summary_tokens=max(16, round(statistics.fmean(decoded))) if decoded else settings["summary_tokens"],
         summary_text_tokens=round(statistics.fmean(s["summary_tokens"] for s in stats)) if stats else None,
         keep_recent_tokens=int((soft if background else tau) * KEEP_RECENT_SHARE),
-        system_tokens=record["system_tokens"], policy="pinned",
+        system_tokens=record["system_tokens"], policy="pinned", retry_share=again / len(chunks) if chunks else 0.0,
     )  # fmt: skip
 
 
@@ -117,6 +121,7 @@ def compare(record: Mapping[str, Any], profile: EngineProfile) -> list[dict[str,
             "mean prompt": f"{real.mean_prompt_tokens:,.0f} / {sim.mean_prompt_tokens:,.0f} ({prompt:.3f}x)",
             "wait s": f"{real.stall_s:.2f} / {sim.stall_s:.2f} ({stall:.2f}x)",
             "e2e s": f"{real.e2e_s:.1f} / {sim.e2e_s:.1f} ({sim.e2e_s / real.e2e_s:.2f}x)",
+            "asked again": f"{config(mode, record, profile.name).retry_share:.0%}",
             "within": real.compactions == sim.compactions and abs(prompt - 1) <= MEAN_PROMPT_WITHIN
             and abs(stall - 1) <= STALL_WITHIN,
         })  # fmt: skip

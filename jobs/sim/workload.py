@@ -108,6 +108,7 @@ class Session:
         self.rolled: dict[tuple[int, int, bool], tuple[CompactionJob, int]] = {}  # (start, end, ends span) -> prompt
         self.growths: tuple[int, ...] = ()  # how much each of its last turns grew the prompt (as the ingress counts)
         self.gaps: tuple[float, ...] = ()  # its last idle times between a reply and the next turn
+        self.retries = random.Random(f"retries-{config.seed}-{index}")  # which chunk prompts are asked again
 
     @property
     def namespace(self) -> Hashable:
@@ -166,8 +167,9 @@ class Session:
         else:  # a roll: what no run has sent yet; its last chunk ends at the span's end, not at a border, unless ahead
             todo = [k for k, key in enumerate(keys) if key not in self.rolled and (ahead or k < len(keys) - 1)]
         per_chunk = max(16, c.summary_tokens // len(prompts))
+        outputs = [per_chunk * (1 + (self.retries.random() < c.retry_share)) for _ in todo]  # a retry decodes again
         job = CompactionJob(
-            self.id, self.namespace, [prompts[k] for k in todo], [per_chunk] * len(todo),
+            self.id, self.namespace, [prompts[k] for k in todo], outputs,
             self.tokens - last_turn, cut[1] - cut[0], priority=priority, kind=kind,
         )  # fmt: skip
         if kind == "roll":

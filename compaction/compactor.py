@@ -328,7 +328,7 @@ class Compactor:
             first, strict = await asyncio.gather(backend.generate(request(False)), backend.generate(request(True)))
             spent = [Attempt.of(first, source, tails[0]), Attempt.of(strict, source, tails[1])]
             attempts = spent if should_retry(spent[:1], opts) else spent[:1]
-        while not attempts or should_retry(attempts, opts):
+        while not attempts or should_retry(attempts, opts, echo=urgency(backend) > AGENT):  # nobody waits
             again = bool(attempts)
             attempts.append(Attempt.of(await backend.generate(request(again)), source, tails[again]))
         chunk = plan.chunks[k]

@@ -15,6 +15,7 @@ from compaction.extractive import segments
 from compaction.history import parse_messages
 from compaction.merge import USER_WORDS_HEADER, ChunkText, pin
 from compaction.merge import keep_user_words as keep
+from compaction.pacing import BACKGROUND, Escalation
 from compaction.partition import Chunk
 from compaction.plan import SUMMARY_HEADER
 from compaction.render import render_history
@@ -152,9 +153,13 @@ async def test_a_compaction_keeps_the_users_words_and_pins_lines_and_names_the_c
     assert caller.stats.per_chunk[0].content == "caller"
 
 
-async def test_a_summary_that_restates_its_instructions_keeps_none_of_them(tokenizer: ChatTokenizer) -> None:
-    """Chunk 0 writes content after an echoed sentence (kept, the echo dropped); chunk 1 echoes its first prompt and
-    writes content for its strict one (retried, kept); the others echo both (the extractive fallback)."""
+@pytest.mark.parametrize("background", [False, True], ids=["waited_for", "background"])
+async def test_a_summary_that_restates_its_instructions_keeps_none_of_them(
+    tokenizer: ChatTokenizer, background: bool
+) -> None:
+    """Chunk 0 writes content after an echoed sentence (kept, the echo dropped); the others echo their first prompt,
+    and chunk 1 writes content for its strict one. Where an agent waits, an echo takes the chunk's extractive text at
+    once; in the background, where nobody waits, it is asked again strictly first (chunk 1 then keeps a summary)."""
 
     def parrot(request: GenerationRequest) -> tuple[str, str]:
         prompt = tokenizer.decode(list(request.prompt_token_ids))
@@ -167,14 +172,20 @@ async def test_a_summary_that_restates_its_instructions_keeps_none_of_them(token
     for i in range(40):
         chat.append({"role": "user", "content": f"Day {i}: how was the walk up to the castle with your sister?"})
         chat.append({"role": "assistant", "content": f"Lovely on day {i}; we ate far too much at the market."})
-    compactor = Compactor(tokenizer, FakeBackend(script=parrot), context_window=8192)
+    backend = FakeBackend(script=parrot)
+    compactor = Compactor(tokenizer, Escalation(backend, BACKGROUND) if background else backend, context_window=8192)
     result = await compactor.compact(chat, {"chunk_tokens": 256, "max_chunk_summary_tokens": 48, **PLAIN})
     assert "who said what" not in result.summary and "keep the commands" not in result.summary
     stats = result.stats.per_chunk
     assert len(stats) > 2
     assert [c.first_verdict for c in stats] == ["ok"] + ["echo"] * (len(stats) - 1)
-    assert [c.status for c in stats] == ["ok", "retried"] + ["extractive_fallback"] * (len(stats) - 2)
-    assert [c.retries for c in stats] == [0] + [1] * (len(stats) - 1)  # an echo is asked again, strictly
+    assert result.stats.empty_or_runaway_chunks == list(range(1, len(stats)))
+    if background:
+        assert [c.status for c in stats] == ["ok", "retried"] + ["extractive_fallback"] * (len(stats) - 2)
+        assert [c.retries for c in stats] == [0] + [1] * (len(stats) - 1)
+    else:
+        assert [c.status for c in stats] == ["ok"] + ["extractive_fallback"] * (len(stats) - 1)
+        assert all(c.retries == 0 for c in stats) and len(backend.requests) == len(stats)
 
 
 @pytest.mark.parametrize("seed", range(4))

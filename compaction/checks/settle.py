@@ -1,7 +1,9 @@
 """What text is kept for one chunk: the checks of its model summaries, the retry rule, the fallbacks.
 
 Every attempt is judged (empty, runaway, an echo of its prompt's instructions) and checked for
-grounding. A chunk whose first summary fails either check is retried once with a stricter tail. Of
+grounding. A chunk whose first summary fails either check is retried once with a stricter tail (an
+echo only where no agent waits for the chunk: the background's; one waited for keeps its extractive
+text at once). Of
 the attempts, the best is kept; then nothing bad reaches the output: an empty summary becomes the
 chunk's text (nothing lost), a runaway keeps each sentence once, an echo or a summary below the
 grounding threshold becomes the chunk's extractive summary, and a grounded-enough one loses the
@@ -43,11 +45,15 @@ class Attempt:
         return (self.verdict == "ok" or options.fixed_output_tokens) and self.grounded(options.grounding_threshold)
 
 
-def should_retry(attempts: Sequence[Attempt], options: CompactionOptions) -> bool:
-    """A second, stricter attempt: only after a bad first one, and never in matched-decode benchmarks."""
+def should_retry(attempts: Sequence[Attempt], options: CompactionOptions, echo: bool = True) -> bool:
+    """A second, stricter attempt: only after a bad first one, and never in matched-decode benchmarks. `echo`
+    False: a first summary that only restated its instructions is not retried (an agent waits for the chunk, and
+    its extractive text is as good a fallback as a second asking, at no wait)."""
+    first = attempts[0] if len(attempts) == 1 else None
     return (
-        len(attempts) == 1
-        and not attempts[0].good(options)
+        first is not None
+        and not first.good(options)
+        and (echo or first.verdict != "echo")
         and options.retry_bad_summaries
         and not options.fixed_output_tokens
     )

@@ -136,10 +136,16 @@ def test_a_replay_asks_again_the_share_of_chunks_the_run_did_and_waits_longer_fo
     profile = load_profile("cpu-smollm2")
     before = simulate("blocking_parallel", record, profile)
     for turn in record["turns"]["blocking_parallel"]:
-        if stats := turn["compaction"]:  # one chunk of each asked twice, its attempts' decode counted in the total
-            stats["per_chunk"] = [{"retries": 1, "status": "retried"}] + [{"retries": 0, "status": "ok"}] * 3
-            stats["chunks"], stats["retries"] = 4, 1
-    assert config("blocking_parallel", record, profile.name).retry_share == 0.25
+        if stats := turn["compaction"]:  # per compaction: one chunk retried, one rolled chunk that was (its status
+            # says so), one rolled echo the agent waited for (its extractive text at once), one asked once
+            stats["per_chunk"] = [
+                {"retries": 1, "status": "retried", "reused": False, "first_verdict": "empty"},
+                {"retries": 0, "status": "retried", "reused": True, "first_verdict": "ok"},
+                {"retries": 0, "status": "extractive_fallback", "reused": True, "first_verdict": "echo"},
+                {"retries": 0, "status": "ok", "reused": False, "first_verdict": "ok"},
+            ]
+            stats["chunks"], stats["reused_chunks"], stats["retries"] = 4, 2, 1
+    assert config("blocking_parallel", record, profile.name).retry_share == 0.5
     after = simulate("blocking_parallel", record, profile)
     assert after.compactions == before.compactions and after.stall_s > before.stall_s
 

@@ -68,7 +68,7 @@ def config(mode: str, record: Mapping[str, Any], profile: str) -> SimConfig:
     asked = [s["output_tokens"] / max(1, s["chunks"] - s.get("reused_chunks", 0) + s.get("retries", 0)) for s in stats]
     decoded = [per_attempt * s["chunks"] for per_attempt, s in zip(asked, stats, strict=True)]
     chunks = [c for s in stats for c in s.get("per_chunk", ())]  # a record trimmed to the totals: none asked again
-    again = sum(c["retries"] > 0 or c["status"] != "ok" for c in chunks)  # rolled ones by the status they kept
+    again = sum(c["retries"] > 0 or (c["reused"] and _asked_again(c)) for c in chunks)
     return SimConfig(
         profile=profile, replicas=1, sessions=1, duration_s=7 * 86_400, warm_start=False, ramp_s=0,
         mode="background" if background else "blocking", tau=tau, background_share=soft / tau,
@@ -79,6 +79,13 @@ def config(mode: str, record: Mapping[str, Any], profile: str) -> SimConfig:
         keep_recent_tokens=int((soft if background else tau) * KEEP_RECENT_SHARE),
         system_tokens=record["system_tokens"], policy="pinned", retry_share=again / len(chunks) if chunks else 0.0,
     )  # fmt: skip
+
+
+def _asked_again(chunk: Mapping[str, Any]) -> bool:
+    """A chunk taken from the chunk cache (its work not counted) was asked twice if what it kept says so: a retry's
+    status, or a fallback whose first summary was not an echo (one the agent waited for keeps its extractive text
+    at once, `compaction.checks.settle`)."""
+    return chunk["status"] != "ok" and (chunk["status"] != "extractive_fallback" or chunk["first_verdict"] != "echo")
 
 
 def simulate(mode: str, record: Mapping[str, Any], profile: EngineProfile) -> Figures:

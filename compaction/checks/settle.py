@@ -3,11 +3,10 @@
 Every attempt is judged (empty, runaway, an echo of its prompt's instructions) and checked for
 grounding. A chunk whose first summary fails either check is retried once with a stricter tail (an
 echo only where no agent waits for the chunk: the background's; one waited for keeps its extractive
-text at once). Of
-the attempts, the best is kept; then nothing bad reaches the output: an empty summary becomes the
-chunk's text (nothing lost), a runaway keeps each sentence once, an echo or a summary below the
-grounding threshold becomes the chunk's extractive summary, and a grounded-enough one loses the
-sentences that state invented tokens or restate the instructions.
+text at once). Of the attempts, the best is kept; then nothing bad reaches the output: an empty
+summary becomes the chunk's text (nothing lost), a runaway keeps each sentence once, an echo or a
+summary below the grounding threshold becomes the chunk's extractive summary, and a grounded-enough
+one loses the sentences that state invented tokens or restate the instructions.
 """
 
 from __future__ import annotations

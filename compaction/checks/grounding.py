@@ -45,6 +45,7 @@ _FUNCTION_WORDS = frozenset(
 _SENTENCE_END = (".", "!", "?", ":", ";", "\n")
 _LEAD = " \t\"'“‘([*-•#>`"
 _WORD = "a-z0-9_"
+SALIENT_TEXTS = 16384  # texts whose salient tokens are remembered (`salient_tokens`)
 
 
 @dataclass(frozen=True)
@@ -93,8 +94,11 @@ def _classify(run: str, initial: bool) -> str | None:
     return None
 
 
+@lru_cache(maxsize=SALIENT_TEXTS)
 def salient_tokens(text: str) -> tuple[str, ...]:
-    """The distinct salient tokens of `text`, normalised (lower case), in first-seen order."""
+    """The distinct salient tokens of `text`, normalised (lower case), in first-seen order. Remembered for the last
+    SALIENT_TEXTS texts: a merge reads each line of a history several times (scores, shapes, repeats), and the next
+    compaction of the same session most of the same lines again."""
     found: dict[str, None] = {}
     for match in _CANDIDATES.finditer(text):
         quoted, url, flag, run = match.groups()

@@ -29,7 +29,7 @@ from compaction.history import Message
 from compaction.instructions import caller_instructions
 from compaction.merge import merge
 from compaction.options import CompactionOptions, model_budget
-from compaction.pacing import AGENT, Escalation, first_of
+from compaction.pacing import AGENT, Escalation, first_of, unless_raised, urgency
 from compaction.partition import Chunk, PlanLimits
 from compaction.plan import CompactionPlan, Planner
 from compaction.result import ChunkStats, CompactionResult
@@ -54,11 +54,6 @@ class _InFlight:
 
     backend: Backend
     done: asyncio.Future[_Kept]
-
-
-def urgency(backend: Backend) -> int:
-    """The priority a backend's prompts go out at now (`compaction.pacing`; lower is more urgent)."""
-    return backend.current() if isinstance(backend, Escalation) else AGENT
 
 
 async def _join(other: _InFlight, backend: Backend) -> None:
@@ -239,12 +234,14 @@ class Compactor:
             # A background chunk that fell back is asked again at once, both its prompts together, as a compaction
             # would ask it, and that answer is kept, fallback or not: the tool gaps take the second asking, not the
             # threshold's wait. Raised to the agent's priority before it ended, a chunk was asked for the turn
-            # waiting for it, as that turn's own compaction would: its fallback is that compaction's, kept too.
+            # waiting for it, as that turn's own compaction would: its fallback is that compaction's, kept too; so is
+            # the fallback of one raised during its second asking (given up: the turn waits for no more than that).
             if ask_fallbacks_again and not both and urgency(own) > AGENT and kept[0].status in FALLBACKS:
                 self._fell_back.put(key, True)  # this run cancelled first: the next one to ask sends both
-                again = self._summarise(own, plan, k, route, both=True)
-                if (kept := await (again if last is None else self._newest_last(key, again))) is None:
-                    return None
+                work = self._summarise(own, plan, k, route, both=True)
+                again = asyncio.ensure_future(work if last is None else self._newest_last(key, work))
+                if await unless_raised(own, again) and (kept := again.result()) is None:
+                    return None  # superseded (else, raised first: a turn waiting for it takes the fallback)
                 self._fell_back.pop(key)
             stats, text = kept
             self.cache.put(plan.scope, plan.history.token_ids, prompt.chunk, prompt.view, text, stats, last is not None)
@@ -330,7 +327,10 @@ class Compactor:
             attempts = spent if should_retry(spent[:1], opts) else spent[:1]
         while not attempts or should_retry(attempts, opts, echo=urgency(backend) > AGENT):  # nobody waits
             again = bool(attempts)
-            attempts.append(Attempt.of(await backend.generate(request(again)), source, tails[again]))
+            asked = asyncio.ensure_future(backend.generate(request(again)))
+            if again and not should_retry(attempts, opts, echo=False) and not await unless_raised(backend, asked):
+                break  # asked again for an echo, and a turn waits for it now: it keeps its extractive text
+            attempts.append(Attempt.of(await asked, source, tails[again]))
         chunk = plan.chunks[k]
         kept = settle(
             attempts,

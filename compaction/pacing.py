@@ -198,3 +198,22 @@ async def first_of(call: asyncio.Future[Any], other: asyncio.Future[Any]) -> Non
         await asyncio.wait({call, other}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         other.cancel()
+
+
+def urgency(backend: Backend) -> int:
+    """The priority a backend's prompts go out at now (lower is more urgent)."""
+    return backend.current() if isinstance(backend, Escalation) else AGENT
+
+
+async def unless_raised(backend: Backend, task: asyncio.Future[Any]) -> bool:
+    """True once `task` is done; False, and `task` cancelled, if the backend's prompts go to the agent's priority
+    first (a turn waits for them: what nobody waited for is asked no more)."""
+    try:
+        if isinstance(backend, Escalation) and urgency(backend) > AGENT:
+            await first_of(task, asyncio.ensure_future(backend.until_raised()))
+            if not task.done():
+                task.cancel()
+        await asyncio.wait({task})  # given up on the engine before the chunk settles
+        return not task.cancelled()
+    finally:
+        task.cancel()  # no-op once done

@@ -61,6 +61,33 @@ class FakeBackend:
         )
 
 
+class HoldingBackend(FakeBackend):
+    """A FakeBackend that holds the requests `holds` picks (given the requests before) until they are cancelled,
+    noting their ids in `given_up`; `all_held` is set once `expect` of them are held."""
+
+    def __init__(self, holds: Callable[[GenerationRequest, list[GenerationRequest]], bool], **kw: Any) -> None:
+        super().__init__(**kw)
+        self.holds = holds
+        self.expect = 0
+        self.held = 0
+        self.all_held = asyncio.Event()
+        self.given_up: list[str] = []
+
+    async def generate(self, request: GenerationRequest) -> Generation:
+        if not self.holds(request, self.requests):
+            return await super().generate(request)
+        self.requests.append(request)
+        self.held += 1
+        if self.held >= self.expect:
+            self.all_held.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            self.given_up.append(request.request_id)
+            raise
+        raise AssertionError("a held request is only ever given up")
+
+
 # Options for tests of the model summaries alone: no pinned lines, no user words or ledger in the head, no clearing.
 PLAIN = {"pinned_share": 0.0, "user_words_tokens": 0, "clearing": "off", "ledger_tokens": 0}
 

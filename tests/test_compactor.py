@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import copy
 
 import pytest
 
 from compaction.backend import GenerationRequest
-from compaction.compactor import Compactor
+from compaction.chunk_cache import ChunkCache
+from compaction.compactor import FALLBACKS, Compactor
 from compaction.errors import BackendError, ContextOverflow, InvalidInput
+from compaction.pacing import BACKGROUND, Escalation
 from compaction.plan import SUMMARY_HEADER
 from compaction.tokenizer import ChatTokenizer
-from tests.fakes import PLAIN, ChatMLTokenizer, FakeBackend
+from tests.fakes import PLAIN, ChatMLTokenizer, FakeBackend, HoldingBackend
 
 
 @pytest.fixture(scope="module")
@@ -153,3 +156,32 @@ def test_history_over_the_window_for_sequential(tokenizer: ChatTokenizer) -> Non
     for layout in ("independent", "auto"):
         plan = compactor.plan(history(30), {"layout": layout, "chunk_tokens": 128, "max_chunk_summary_tokens": 64})
         assert max(len(p) for p in plan.strict_prompts) + 64 <= 512
+
+
+async def test_a_background_chunk_asked_again_after_it_fell_back_keeps_that_fallback_once_a_turn_waits(
+    tokenizer: ChatTokenizer,
+) -> None:
+    """A background run asks a chunk that fell back (its prompt, then its strict prompt, both empty) again, both at
+    once. A turn raises the run while that second asking is in flight: it is given up on the backend, and the chunk
+    keeps the fallback it has (what a compaction at the agent's priority makes of two empty answers), in the chunk
+    cache too; the turn waits for no second asking, and the next compaction asks nothing."""
+
+    def second_asking(request: GenerationRequest, before: list[GenerationRequest]) -> bool:
+        return any(r.request_id == request.request_id for r in before)
+
+    backend = HoldingBackend(second_asking, script=lambda request: ("", "stop"))
+    escalation = Escalation(backend, BACKGROUND)
+    compactor = Compactor(tokenizer, escalation, context_window=8192, block_size=16, cache=ChunkCache())
+    options = {"chunk_tokens": 256, **PLAIN}
+    plan = compactor.plan(history(), options)
+    chunks = len(plan.chunks)
+    backend.expect = 2 * chunks  # both prompts of every chunk
+    run = asyncio.create_task(compactor.summarise(plan, range(chunks), ask_fallbacks_again=True))
+    await backend.all_held.wait()  # every chunk asked, retried, fallen back, and asked again (both prompts in flight)
+    escalation.hurry()  # a turn waits for the run now
+    kept = await run
+    assert chunks > 1 and len(backend.given_up) == 2 * chunks
+    assert len(kept) == chunks and all(stats.status in FALLBACKS for stats, _ in kept.values())
+    sent = len(backend.requests)
+    again = await compactor.run(compactor.plan(history(), options))
+    assert again.stats.reused_chunks == chunks and len(backend.requests) == sent

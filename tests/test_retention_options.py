@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
@@ -22,7 +23,7 @@ from compaction.render import render_history
 from compaction.tokenizer import ChatTokenizer
 from jobs.data.analysis_traces import analysis_trace
 from jobs.data.traces import coding_trace
-from tests.fakes import PLAIN, ChatMLTokenizer, FakeBackend
+from tests.fakes import PLAIN, ChatMLTokenizer, FakeBackend, HoldingBackend
 
 DEMO_LOOP = "I'm so glad you're doing great. I'm so glad you're doing great too. I'm so glad y"
 
@@ -153,13 +154,8 @@ async def test_a_compaction_keeps_the_users_words_and_pins_lines_and_names_the_c
     assert caller.stats.per_chunk[0].content == "caller"
 
 
-@pytest.mark.parametrize("background", [False, True], ids=["waited_for", "background"])
-async def test_a_summary_that_restates_its_instructions_keeps_none_of_them(
-    tokenizer: ChatTokenizer, background: bool
-) -> None:
-    """Chunk 0 writes content after an echoed sentence (kept, the echo dropped); the others echo their first prompt,
-    and chunk 1 writes content for its strict one. Where an agent waits, an echo takes the chunk's extractive text at
-    once; in the background, where nobody waits, it is asked again strictly first (chunk 1 then keeps a summary)."""
+def _parrot(tokenizer: ChatTokenizer) -> Any:
+    """Every answer restates its prompt's instructions; chunk 0's and chunk 1's strict prompt write content too."""
 
     def parrot(request: GenerationRequest) -> tuple[str, str]:
         prompt = tokenizer.decode(list(request.prompt_token_ids))
@@ -168,13 +164,27 @@ async def test_a_summary_that_restates_its_instructions_keeps_none_of_them(
         facts = "They walked up to the castle and ate at the market." if content else ""
         return f"This part is a conversation: {said}\n{facts}", "stop"
 
+    return parrot
+
+
+def _castle_chat() -> list[dict[str, Any]]:
     chat = [{"role": "system", "content": "You are a travel agent."}]
     for i in range(40):
         chat.append({"role": "user", "content": f"Day {i}: how was the walk up to the castle with your sister?"})
         chat.append({"role": "assistant", "content": f"Lovely on day {i}; we ate far too much at the market."})
-    backend = FakeBackend(script=parrot)
+    return chat
+
+
+@pytest.mark.parametrize("background", [False, True], ids=["waited_for", "background"])
+async def test_a_summary_that_restates_its_instructions_keeps_none_of_them(
+    tokenizer: ChatTokenizer, background: bool
+) -> None:
+    """Chunk 0 writes content after an echoed sentence (kept, the echo dropped); the others echo their first prompt,
+    and chunk 1 writes content for its strict one. Where an agent waits, an echo takes the chunk's extractive text at
+    once; in the background, where nobody waits, it is asked again strictly first (chunk 1 then keeps a summary)."""
+    backend = FakeBackend(script=_parrot(tokenizer))
     compactor = Compactor(tokenizer, Escalation(backend, BACKGROUND) if background else backend, context_window=8192)
-    result = await compactor.compact(chat, {"chunk_tokens": 256, "max_chunk_summary_tokens": 48, **PLAIN})
+    result = await compactor.compact(_castle_chat(), {"chunk_tokens": 256, "max_chunk_summary_tokens": 48, **PLAIN})
     assert "who said what" not in result.summary and "keep the commands" not in result.summary
     stats = result.stats.per_chunk
     assert len(stats) > 2
@@ -186,6 +196,29 @@ async def test_a_summary_that_restates_its_instructions_keeps_none_of_them(
     else:
         assert [c.status for c in stats] == ["ok"] + ["extractive_fallback"] * (len(stats) - 1)
         assert all(c.retries == 0 for c in stats) and len(backend.requests) == len(stats)
+
+
+async def test_an_echo_asked_again_in_the_background_is_not_waited_for_once_a_turn_needs_it(
+    tokenizer: ChatTokenizer,
+) -> None:
+    """The background strict prompts of the echoed chunks are in flight when a turn raises the run: they are given up
+    (cancelled on the backend) and each such chunk keeps its extractive text at once, as a waited-for echo does;
+    the turn waits for no second asking."""
+    backend = HoldingBackend(lambda request, _: request.request_id.endswith("-retry"), script=_parrot(tokenizer))
+    escalation = Escalation(backend, BACKGROUND)
+    compactor = Compactor(tokenizer, escalation, context_window=8192)
+    plan = compactor.plan(_castle_chat(), {"chunk_tokens": 256, "max_chunk_summary_tokens": 48, **PLAIN})
+    echoed = backend.expect = len(plan.chunks) - 1
+    run = asyncio.create_task(compactor.run(plan))
+    await backend.all_held.wait()  # every echoed chunk's strict prompt is in flight
+    escalation.hurry()  # a turn waits for the run now
+    result = await run
+    stats = result.stats.per_chunk
+    assert echoed > 1 and sorted(backend.given_up) == sorted(request_id(k, strict=True) for k in range(1, len(stats)))
+    assert [c.first_verdict for c in stats] == ["ok"] + ["echo"] * echoed
+    assert [c.status for c in stats] == ["ok"] + ["extractive_fallback"] * echoed
+    assert all(c.retries == 0 for c in stats)
+    assert "who said what" not in result.summary and "keep the commands" not in result.summary
 
 
 @pytest.mark.parametrize("seed", range(4))

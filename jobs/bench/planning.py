@@ -37,7 +37,8 @@ from typing import Any
 WINDOW, BLOCK, SEQUENCES = 131_072, 16, 1024
 REPEATS = 5  # reused compactions timed per row (the median)
 ROOT = Path(__file__).resolve().parents[1]
-SUMMARY = "Caroline told Melanie about the LGBTQ support group she went to on 7 May 2023."  # each cached chunk's
+# What each cached chunk holds as its summary (the merge reads it like a model's).
+SUMMARY = "Caroline told Melanie about the LGBTQ support group she went to on 7 May 2023."
 
 
 def history(tokens: int, tokenizer: Any) -> list[dict[str, Any]]:
@@ -93,7 +94,7 @@ def measure(tokens: int, chunk: str, traced: bool) -> dict[str, Any]:
                 computed_prefill_tokens=0, output_tokens=0, summary_tokens=0, latency_s=0.0, retries=0, failovers=0,
                 status="ok",
             )  # fmt: skip
-            cache.put(plan.scope, plan.history.token_ids, prompt.chunk, prompt.token_ids, SUMMARY, stats)
+            cache.put(plan.scope, plan.history.token_ids, c, prompt.token_ids, SUMMARY, stats)
         del plan
     if traced:
         return row  # times come from the untraced run

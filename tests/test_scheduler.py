@@ -29,12 +29,14 @@ async def timed(engine: Any, request: GenerationRequest) -> tuple[float, Any]:
 async def test_an_agent_request_overtakes_a_background_prefill_and_the_background_still_finishes(
     engine: Any,
 ) -> None:
-    await engine.reset_prefix_cache()
     long = GenerationRequest(prompt(1, 2400), max_tokens=4, min_tokens=4, request_id="bg", priority=BACKGROUND)
     short = GenerationRequest(prompt(2, 128), max_tokens=8, min_tokens=8, request_id="agent", priority=AGENT)
+    await engine.reset_prefix_cache()
+    alone = (await engine.generate(long)).latency_s  # what the background request takes on this machine, alone
+    await engine.reset_prefix_cache()
     began = time.perf_counter()
     background = asyncio.create_task(timed(engine, long))
-    await asyncio.sleep(0.5)  # its prefill is under way, in steps of at most 256 tokens
+    await asyncio.sleep(alone / 10)  # its prefill is under way (in steps of at most 256 tokens), far from done
     agent_done, agent = await timed(engine, short)
     background_done, behind = await background
     assert agent.output_tokens == 8 and behind.output_tokens == 4  # both complete, nothing lost

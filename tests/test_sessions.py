@@ -24,6 +24,7 @@ from serving.coordinator import AdmissionConfig, CompactJob, Coordinator, ModelR
 from serving.turns import WIRE_FIELD, ChatTurn, TurnCompaction
 from serving.wire.tools import engine_tools
 from tests.fakes import short_summary
+from tests.support import until
 from tests.test_coordinator import MODEL, FakeReplicas, coordinator
 
 SYSTEM = {"role": "system", "content": "You are a travel agent."}
@@ -55,15 +56,6 @@ class Counting:
             return await self.coordinator.compact(job, urgent)
         finally:
             self.finished += 1
-
-
-async def until(condition: Any, timeout_s: float = 10.0) -> None:
-    """Waits for what a background run does off the caller's path (planning runs in a worker thread)."""
-    for _ in range(int(timeout_s / 0.01)):
-        if condition():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("the background run never got there")
 
 
 ENTRY = {"type": "compaction", "compact_threshold": 1200, "chunk_tokens": 256, "max_chunk_summary_tokens": 16}
@@ -290,16 +282,14 @@ async def test_a_turn_that_needs_a_running_background_run_raises_it_to_the_agent
     sessions = SessionCompactions(compact)
     snapshot = [SYSTEM, *conversation(0, 16)]
     await sessions.turn(turn(tokenizer, snapshot, background_threshold=700), tokenizer)
-    for _ in range(500):  # planning runs in a worker thread: wait until its chunk prompts reach the replicas
-        if replicas.parked:
-            break
-        await asyncio.sleep(0.01)
-    await asyncio.sleep(0.02)  # the rest of them park within a few loop turns (no threads left in the way)
-    assert replicas.parked
+    await until(lambda: compact.calls)
+    (job,) = compact.calls
+    chunks = len(compact.coordinator.runtime(MODEL).compactor.plan(job.messages, job.options).prompts)
+    await until(lambda: replicas.parked == chunks)  # every chunk prompt at the replicas (planned in a worker thread)
     over = asyncio.create_task(
         sessions.turn(turn(tokenizer, [*snapshot, *conversation(16, 30)], background_threshold=700), tokenizer)
     )
-    await asyncio.sleep(0.02)
+    await until(lambda: len(replicas.raised) == chunks)  # each raised to the agent's priority where it is
     gate.set()
     outcome = await over
     assert outcome.status == "applied" and outcome.source == "background" and outcome.stats is not None

@@ -240,8 +240,10 @@ class Compactor:
                 self._fell_back.put(key, True)  # this run cancelled first: the next one to ask sends both
                 work = self._summarise(own, plan, k, route, both=True)
                 again = asyncio.ensure_future(work if last is None else self._newest_last(key, work))
-                if await unless_raised(own, again) and (kept := again.result()) is None:
-                    return None  # superseded (else, raised first: a turn waiting for it takes the fallback)
+                if not await unless_raised(own, again):  # raised first: a turn waiting for it takes the fallback
+                    kept = kept[0].model_copy(update={"given_up": True}), kept[1]
+                elif (kept := again.result()) is None:
+                    return None  # superseded
                 self._fell_back.pop(key)
             stats, text = kept
             self.cache.put(plan.scope, plan.history.token_ids, prompt.chunk, prompt.view, text, stats, last is not None)
@@ -321,6 +323,7 @@ class Compactor:
 
         attempts: list[Attempt] = []
         spent: list[Attempt] = []  # every attempt made, for the stats
+        given_up = False
         if both and opts.retry_bad_summaries and not opts.fixed_output_tokens:
             first, strict = await asyncio.gather(backend.generate(request(False)), backend.generate(request(True)))
             spent = [Attempt.of(first, source, tails[0]), Attempt.of(strict, source, tails[1])]
@@ -329,7 +332,8 @@ class Compactor:
             again = bool(attempts)
             asked = asyncio.ensure_future(backend.generate(request(again)))
             if again and not should_retry(attempts, opts, echo=False) and not await unless_raised(backend, asked):
-                break  # asked again for an echo, and a turn waits for it now: it keeps its extractive text
+                given_up = True  # asked again for an echo, and a turn waits for it now: it keeps its extractive text
+                break
             attempts.append(Attempt.of(await asked, source, tails[again]))
         chunk = plan.chunks[k]
         kept = settle(
@@ -339,7 +343,7 @@ class Compactor:
             verbatim=lambda: self.tokenizer.decode(plan.history.token_ids[chunk.start : chunk.end]).strip(),
             extractive=lambda: self._extractive_text(plan, chunk),
         )
-        return self._chunk_stats(plan, k, attempts, kept, time.perf_counter() - began, spent), kept.text
+        return self._chunk_stats(plan, k, attempts, kept, time.perf_counter() - began, spent, given_up), kept.text
 
     def _source(self, plan: CompactionPlan, k: int) -> Source:
         """What chunk k's summary may state: the chunk, the history before it, and the caller's instructions
@@ -377,6 +381,7 @@ class Compactor:
         kept: Settled,
         latency: float,
         spent: Sequence[Attempt] = (),
+        given_up: bool = False,
     ) -> ChunkStats:
         generations = [a.generation for a in spent or attempts]  # what was sent, an unused attempt too
         first = attempts[0] if attempts else None
@@ -394,6 +399,7 @@ class Compactor:
             failovers=sum(g.failovers for g in generations),
             status=kept.status,
             replica=generations[-1].replica if generations else None,
+            given_up=given_up,
             first_verdict=first.verdict if first else None,
             first_grounding=round(first.grounding.score, 4) if first else None,
             first_salient_tokens=len(first.grounding.salient) if first else 0,

@@ -347,6 +347,7 @@ def merge(
                 s.index for s in stats if s.first_grounding is not None and s.first_grounding < opts.grounding_threshold
             ],
             extractive_fallback_chunks=[s.index for s in stats if s.status == "extractive_fallback"],
+            given_up_chunks=[s.index for s in stats if s.given_up],
             replicas=[s.replica for s in stats],
             archived_handles=[chunk.handle for chunk in archived],
             cleared_tool_outputs=plan.clearing.cleared if plan.clearing is not None else 0,

@@ -69,6 +69,12 @@ class ChunkStats(BaseModel):
         "chunk's content), caller (its chunk_instructions entry), or None (tail_by_content off, or no model asked).",
     )
     replica: str | None = Field(default=None, description="Replica that served the kept attempt.")
+    given_up: bool = Field(
+        default=False,
+        description="A background run asked this chunk again (a strict prompt for an echo, or both prompts after a "
+        "fallback) and a turn raised the run before that answer came: the asking was given up on the engine and the "
+        "chunk kept the text it had (extractive, or its first fallback).",
+    )
     reused: bool = Field(
         default=False,
         description="The summary came from the chunk-summary cache (same prompt summarised before); the token "
@@ -119,6 +125,9 @@ class CompactionStats(BaseModel):
     )
     extractive_fallback_chunks: list[int] = Field(
         default_factory=list, description="Chunks whose kept text is the extractive fallback."
+    )
+    given_up_chunks: list[int] = Field(
+        default_factory=list, description="Chunks whose background asking again was given up (see given_up)."
     )
     replicas: list[str | None] = Field(description="Replica of each chunk, in chunk order.")
     archived_handles: list[str] = Field(

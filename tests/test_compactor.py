@@ -181,7 +181,8 @@ async def test_a_background_chunk_asked_again_after_it_fell_back_keeps_that_fall
     escalation.hurry()  # a turn waits for the run now
     kept = await run
     assert chunks > 1 and len(backend.given_up) == 2 * chunks
-    assert len(kept) == chunks and all(stats.status in FALLBACKS for stats, _ in kept.values())
+    assert len(kept) == chunks and all(stats.status in FALLBACKS and stats.given_up for stats, _ in kept.values())
     sent = len(backend.requests)
     again = await compactor.run(compactor.plan(history(), options))
     assert again.stats.reused_chunks == chunks and len(backend.requests) == sent
+    assert again.stats.given_up_chunks == list(range(chunks))  # what the rolled chunks kept, said at the threshold

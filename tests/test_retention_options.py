@@ -218,6 +218,8 @@ async def test_an_echo_asked_again_in_the_background_is_not_waited_for_once_a_tu
     assert [c.first_verdict for c in stats] == ["ok"] + ["echo"] * echoed
     assert [c.status for c in stats] == ["ok"] + ["extractive_fallback"] * echoed
     assert all(c.retries == 0 for c in stats)
+    assert [c.given_up for c in stats] == [False] + [True] * echoed
+    assert result.stats.given_up_chunks == list(range(1, len(stats)))  # the record says which were given up
     assert "who said what" not in result.summary and "keep the commands" not in result.summary
 
 

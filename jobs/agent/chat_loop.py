@@ -120,6 +120,7 @@ class ChatEpisode:
             "compaction_prefill": sum(int(s["computed_prefill_tokens"]) for s in stats),
             "compaction_cached": sum(int(s["cached_prompt_tokens"]) for s in stats),
             "reused_chunks": sum(int(s.get("reused_chunks", 0)) for s in stats),
+            "given_up_chunks": sum(len(s.get("given_up_chunks", ())) for s in stats),
             "questions": len(questions),
             "f1": round(sum(f1) / len(f1), 3) if f1 else None,
         }

@@ -12,9 +12,10 @@ its tools for a while (`--tool-time`: by default drawn from a fit to real Codex 
 `jobs.agent.tools`; the same draws in every mode; `0` plays the turns back to back). Prints per mode:
 end-to-end time, tool time, the agent-visible stall (total and worst), p50/p95 latency of the turns
 that applied no compaction, the mean prompt a turn was answered from, compactions, prefill computed
-vs cached (the agent's turns and the compactions), reused chunk summaries, answer F1; then the ratios
-between modes. Writes `<out>/bench_agent.json` and `<out>/bench_agent.png` (prompt size per turn,
-end to end per mode).
+vs cached (the agent's turns and the compactions), reused chunk summaries, given-up ones (a rolled
+chunk whose background asking again a turn gave up), answer F1; then the ratios between modes.
+Writes `<out>/bench_agent.json` and `<out>/bench_agent.png` (prompt size per turn, end to end per
+mode).
 
     python -m jobs.bench.agent --overhead [--history-tokens 7600] [--pairs 12]
 

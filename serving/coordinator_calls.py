@@ -3,7 +3,7 @@
     outcome = await call_coordinator(handle, "compact", job, session_id=job.session_id)
 
 - Sticky by session: a call that carries a session id goes through `handle.options(session_id=...)`,
-  and the coordinator deployment's router (`serving.ray_adapter.SessionRouter`, a consistent hash)
+  and the coordinator deployment's router (`serving.ray_router.SessionRouter`, a consistent hash)
   sends every call of a session to the same coordinator replica, which keeps the session's cached
   state. Calls without a session go to any replica.
 - Retried on a live replica: when the coordinator replica is unreachable or none is ready, the

@@ -9,13 +9,15 @@ the threads to the OS; `auto` is vLLM's choice.
 
 `PlacedLLMServer` is ray.serve.llm's `LLMServer` with that variable set before the engine starts
 (given to `build_llm_deployment(..., deployment_cls=PlacedLLMServer)`), and without Ray's usage telemetry.
+Both it and the GPU models' server are `CompactionLLMServer`: the coordinators' chunk prompts come and go as
+plain dicts, so a coordinator imports neither vLLM nor ray.serve.llm.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
 from ray import serve
@@ -53,7 +55,21 @@ def bind_value(binding: Binding, local_rank: int, threads: int | None, sharing: 
     return core_list(replica_cores(local_rank, each, host))
 
 
-class PlacedLLMServer(LLMServer):
+class CompactionLLMServer(LLMServer):
+    """ray.serve.llm's model server, plus `completions` with the request and its answer as plain dicts."""
+
+    async def completions_from_dict(
+        self, body: dict[str, Any], raw_request_info: Any = None
+    ) -> AsyncGenerator[dict[str, Any], None]:
+        from ray.serve.llm.openai_api_models import CompletionRequest
+
+        async for item in await self.completions(CompletionRequest(**body), raw_request_info):
+            if isinstance(item, list):  # a stream's batch of lines: no caller asks for a stream
+                raise TypeError("completions_from_dict answers whole completions only (stream: false)")
+            yield item.model_dump(mode="json")  # the completion, or vLLM's error
+
+
+class PlacedLLMServer(CompactionLLMServer):
     """ray.serve.llm's model server, its engine bound to this replica's cores before it starts."""
 
     async def __init__(  # type: ignore[misc]

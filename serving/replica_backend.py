@@ -1,6 +1,8 @@
 """The coordinator's backend: chunk prompts to a ray.serve.llm deployment, placed by routing key.
 
-`ReplicaBackend.generate` sends a token-id `/v1/completions` request through a Serve handle.
+`ReplicaBackend.generate` sends a token-id `/v1/completions` request through a Serve handle, as a plain
+dict that the model server builds into vLLM's request (`serving.placement.CompactionLLMServer`): the
+coordinator imports neither vLLM nor ray.serve.llm.
 The routing key travels as the request's session id; `SessionRouter` picks the replica, and
 `DeploymentHandle.choose_replica` tells us which one it picked before the request is dispatched,
 so every Generation names its replica. A replica that fails (actor died, engine error) is
@@ -23,7 +25,6 @@ from typing import Any
 from ray.exceptions import RayError
 from ray.serve.exceptions import BackPressureError, RequestCancelledError
 from ray.serve.handle import DeploymentHandle, DeploymentResponse, DeploymentResponseGenerator
-from ray.serve.llm.openai_api_models import CompletionRequest
 
 from compaction.backend import Generation, GenerationRequest
 from compaction.errors import BackendError, InvalidInput, Overloaded
@@ -31,6 +32,7 @@ from compaction.pacing import engine_args
 from serving.routing import RouteKey
 
 RETRY_AFTER_S = 5.0
+COMPLETIONS = "completions_from_dict"  # serving.placement.CompactionLLMServer
 logger = logging.getLogger(__name__)
 
 
@@ -48,7 +50,7 @@ class ReplicaBackend:
     def __init__(self, handle: DeploymentHandle, model_id: str, *, max_failovers: int = 2) -> None:
         self.model_id = model_id
         self.max_failovers = max_failovers
-        self._handle = handle.options(method_name="completions", stream=True)
+        self._handle = handle.options(method_name=COMPLETIONS, stream=True)
 
     async def generate(self, request: GenerationRequest) -> Generation:
         key = RouteKey.decode(request.routing_key) or RouteKey(request.routing_key)
@@ -62,18 +64,18 @@ class ReplicaBackend:
         logger.warning("no replica of %s could serve a prompt: %s", self.model_id, "; ".join(failures))
         raise BackendError(f"no replica of {self.model_id} could serve the prompt; retry shortly")
 
-    def _body(self, request: GenerationRequest) -> CompletionRequest:
-        return CompletionRequest(
-            model=self.model_id,
-            prompt=list(request.prompt_token_ids),
-            max_tokens=request.max_tokens,
-            min_tokens=request.min_tokens,
-            temperature=request.temperature,
-            repetition_penalty=request.repetition_penalty,
-            priority=request.priority,
-            cache_salt=request.cache_salt,
-            vllm_xargs=engine_args(request) or None,
-        )
+    def _body(self, request: GenerationRequest) -> dict[str, Any]:
+        return {
+            "model": self.model_id,
+            "prompt": list(request.prompt_token_ids),
+            "max_tokens": request.max_tokens,
+            "min_tokens": request.min_tokens,
+            "temperature": request.temperature,
+            "repetition_penalty": request.repetition_penalty,
+            "priority": request.priority,
+            "cache_salt": request.cache_salt,
+            "vllm_xargs": engine_args(request) or None,
+        }
 
     async def _once(self, request: GenerationRequest, key: RouteKey) -> Generation:
         body = self._body(request)
@@ -100,21 +102,22 @@ class ReplicaBackend:
         return self._generation(final, replica, len(request.prompt_token_ids), time.perf_counter() - began)
 
     def _generation(self, final: Any, replica: str | None, prompt_len: int, latency: float) -> Generation:
-        error = getattr(final, "error", None)
-        if error is not None:
-            if 400 <= int(error.code) < 500:
-                raise InvalidInput("messages", f"the model rejected a chunk prompt: {error.message}")
-            raise ReplicaFailed(replica, f"engine error {error.code}: {error.message}")
-        if final is None or not getattr(final, "choices", None):
+        """The server's answer, a plain dict: vLLM's completion or its error (`CompactionLLMServer`)."""
+        error = final.get("error") if isinstance(final, dict) else None
+        if error:
+            if 400 <= int(error["code"]) < 500:
+                raise InvalidInput("messages", f"the model rejected a chunk prompt: {error['message']}")
+            raise ReplicaFailed(replica, f"engine error {error['code']}: {error['message']}")
+        if not isinstance(final, dict) or not final.get("choices"):
             raise ReplicaFailed(replica, "the replica returned no completion")
-        choice, usage = final.choices[0], final.usage
-        details = getattr(usage, "prompt_tokens_details", None)
+        choice, usage = final["choices"][0], final["usage"]
+        details = usage.get("prompt_tokens_details") or {}
         return Generation(
-            text=choice.text or "",
-            output_tokens=int(usage.completion_tokens or 0),
-            prompt_tokens=int(usage.prompt_tokens or prompt_len),
-            cached_prompt_tokens=int(getattr(details, "cached_tokens", 0) or 0),
-            finish_reason=choice.finish_reason or "stop",
+            text=choice.get("text") or "",
+            output_tokens=int(usage.get("completion_tokens") or 0),
+            prompt_tokens=int(usage.get("prompt_tokens") or prompt_len),
+            cached_prompt_tokens=int(details.get("cached_tokens") or 0),
+            finish_reason=choice.get("finish_reason") or "stop",
             latency_s=latency,
             replica=replica,
         )

@@ -1,6 +1,6 @@
 """Where the chunk prompts of one compaction go: a cost model, and the routing keys that realise it.
 
-Pure: no Ray import. The request router (`serving.ray_adapter.SessionRouter`) reads the keys.
+Pure: no Ray import. The request router (`serving.ray_router.SessionRouter`) reads the keys.
 
 Replicas and sessions
     Every replica set forms a consistent-hash ring (Ray Serve's `ConsistentHashRouter`). A

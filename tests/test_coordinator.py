@@ -329,6 +329,26 @@ async def test_a_failed_replica_is_avoided_on_the_retry() -> None:
     assert backend.tried == ["a", "b", "c"] and "actor died" not in str(err.value)  # logged, never answered
 
 
+def test_a_servers_answer_as_a_dict_becomes_a_generation_or_an_error() -> None:
+    """What `CompactionLLMServer.completions_from_dict` yields: ray.serve.llm's CompletionResponse or ErrorResponse,
+    dumped to JSON types (the real service sends every chunk prompt this way)."""
+    backend = ScriptedReplicaBackend(set(), ["a"])
+    usage = {"prompt_tokens": 40, "completion_tokens": 3, "prompt_tokens_details": {"cached_tokens": 32}}
+    answer = {"choices": [{"index": 0, "text": "A summary.", "finish_reason": "length"}], "usage": usage}
+    got = backend._generation(answer, "a", 40, 0.5)
+    assert (got.text, got.output_tokens, got.cached_prompt_tokens, got.finish_reason, got.replica) == (
+        "A summary.", 3, 32, "length", "a"
+    )  # fmt: skip
+    usage = {**usage, "prompt_tokens_details": None}  # an engine that reports no cached tokens
+    assert backend._generation({**answer, "usage": usage}, "a", 40, 0.5).cached_prompt_tokens == 0
+    with pytest.raises(InvalidInput, match="too long"):
+        backend._generation({"error": {"message": "too long", "type": "BadRequestError", "code": 400}}, "a", 40, 0)
+    with pytest.raises(ReplicaFailed, match="engine error 500"):
+        backend._generation({"error": {"message": "dead", "type": "InternalServerError", "code": 500}}, "a", 40, 0)
+    with pytest.raises(ReplicaFailed, match="no completion"):
+        backend._generation({"choices": [], "usage": usage}, "a", 40, 0)
+
+
 def test_the_queue_gauges_can_be_set_again_while_idle(tokenizer: HFChatTokenizer) -> None:
     sink = Sink()
     coordinator(tokenizer, FakeReplicas(), sink).refresh_gauges()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import sys
 import time
 import uuid
 from collections.abc import Callable
@@ -190,19 +191,27 @@ def test_the_engines_run_without_onednns_global_primitive_cache(client: httpx.Cl
         assert {name: env.get(name) for name in CPU_ENGINE_ENV} == CPU_ENGINE_ENV, engine
 
 
-def coordinator_pids() -> dict[str, int]:
-    """Replica id -> process id of the live coordinator replicas (asked of each replica actor)."""
+def ask_coordinators(question: Callable[[Any], Any]) -> dict[str, Any]:
+    """Replica id -> `question(replica)` asked in each live coordinator replica's process."""
     import ray
 
     prefix = f"SERVE_REPLICA::{APP_NAME}#Coordinator#"
     named = [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)]
-    pids = {}
+    answers = {}
     for actor in named:
         handle = ray.get_actor(actor["name"], namespace=actor["namespace"])
-        pids[actor["name"].removeprefix(prefix)] = ray.get(
-            handle.__ray_call__.remote(lambda _: os.getpid()), timeout=30
-        )
-    return pids
+        answers[actor["name"].removeprefix(prefix)] = ray.get(handle.__ray_call__.remote(question), timeout=30)
+    return answers
+
+
+def test_the_coordinators_import_neither_vllm_nor_ray_serve_llm(client: httpx.Client) -> None:
+    """A coordinator sends its chunk prompts and reads their answers as plain dicts (serving.replica_backend,
+    serving.placement.CompactionLLMServer): vLLM and ray.serve.llm stay out of it (12 s of CPU to import, and
+    about 150 MiB, for each coordinator replica)."""
+    for i in range(4):  # sessions on both coordinators
+        assert client.post("/v1/compact", json=cheap(session_id=f"lean-{i}")).status_code == 200
+    loaded = ask_coordinators(lambda _: [m for m in ("vllm", "ray.serve.llm") if m in sys.modules])
+    assert len(loaded) == 2 and all(names == [] for names in loaded.values()), loaded
 
 
 @pytest.mark.destructive
@@ -210,7 +219,7 @@ def test_a_coordinator_killed_during_a_compaction(client: httpx.Client, metrics_
     session = f"kill-{uuid.uuid4().hex[:6]}"
     warm = client.post("/v1/compact", json=cheap("Which coordinator is home?", session_id=session))
     home = warm.json()["stats"]["coordinator"]
-    pids = coordinator_pids()
+    pids = ask_coordinators(lambda _: os.getpid())
     assert len(pids) == 2 and home in pids, (home, pids)
 
     async def kill_during(tokens: int) -> httpx.Response | None:

@@ -2,7 +2,7 @@
 
 Placement is `serving.routing.place` itself (pinned / spread / round_robin / auto with its cost model); the prompts
 it compares are `jobs.sim.shapes` lengths. A session's home replica is a stable hash of its id (the consistent-hash
-ring of `serving.ray_adapter.SessionRouter` spreads sessions the same way); spread slot s goes to the s-th replica
+ring of `serving.ray_router.SessionRouter` spreads sessions the same way); spread slot s goes to the s-th replica
 after home, and round robin continues one counter over all chunk prompts, as the router's counter does.
 Admission follows the coordinator with a bounded queue: at most `max_running` compactions run, at most
 `max_queued` wait; beyond that a compaction is refused (HTTP 429) and the caller decides what to do.

@@ -91,16 +91,20 @@ def computed(stats: dict[str, Any]) -> int:
 
 
 def test_the_simulator_matches_the_real_service_per_policy(figures: dict[str, Any]) -> None:
-    """Computed prefill is deterministic and must match; latency is a timing on a shared machine (one compaction
-    of a few seconds), so it is only bounded to a factor of two, which a wrong model of prefill, decode or
-    placement breaks. The tight latency comparison is a benchmark: `python -m jobs.sim validate`."""
+    """Computed prefill is deterministic (what each replica's cache held, chunk by chunk) and must match. Latency is
+    one timing of a compaction of a second or two on a shared machine: it is printed here, and compared by the
+    benchmark that repeats it (`python -m jobs.sim validate`); the latency model itself is tested in test_sim.py."""
     got = ran(figures, "simulator")
     print(got["table"], *got["profiles"], sep="\n")
     rows = got["policies"]
+    assert set(rows) == {"pinned", "round_robin"}
     for policy, row in rows.items():
         real, sim = row["real"], row["sim"]
         assert abs(sim["compaction_computed_tokens"] / real["compaction_computed_tokens"] - 1) <= 0.05, policy
-        assert 0.5 <= sim["compaction_latency_s"] / real["compaction_latency_s"] <= 2.0, policy
+        assert sim["turn_computed_tokens"] == real["turn_computed_tokens"], policy
+    assert set(rows["pinned"]["real"]["chunk_replicas"]) == {0} and set(
+        rows["round_robin"]["real"]["chunk_replicas"]
+    ) == {0, 1}
     assert (
         rows["pinned"]["real"]["compaction_computed_tokens"] < rows["round_robin"]["real"]["compaction_computed_tokens"]
     )

@@ -246,7 +246,7 @@ def affinity(url: str, conversations: list[dict[str, Any]] | str) -> dict[str, A
 
 def simulator(url: str, conversations: list[dict[str, Any]] | str) -> dict[str, Any]:
     """jobs.sim.validate for pinned and round_robin; the CPU profile calibrated once, from the live service (the
-    latency bound is loose enough for the machine's drift)."""
+    latencies are printed, not bounded: one timing each on a shared machine)."""
     from compaction.history import parse_messages
     from compaction.render import render_history
     from jobs.bench.affinity import make_session

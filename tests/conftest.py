@@ -45,14 +45,14 @@ def need(item: pytest.Item) -> int:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests that start their own engine or cluster in other processes run first, before the session's engine and
-    service hold memory (four float32 engines and two Ray clusters at once pass 24 GiB): first the modules whose
-    programs all start side by side as the session begins (`start_ahead`), then the others, alone (they measure
-    times). Then the tests that need neither, while the session's engine and service start (`Ahead`); tests that
-    damage the shared service (killing replicas or the coordinator) run after all others. A module's tests stay
-    together (its fixtures are set up once), placed by the most its tests need. A test that needs the CPU default
-    model's files (its real tokenizer) is marked `model`; real-engine and real-service tests are marked `engine`
-    or `ray`: `pytest -m "not (model or engine or ray)"` runs the rest on a clone where the model was never
-    fetched."""
+    service hold memory (beside them, the float32 engines would pass 24 GiB): first the modules whose programs all
+    start side by side as the session begins (`start_ahead`: five engines and three Ray clusters, about 14 GiB in
+    bf16), then any others, alone (for one that measures times). Then the tests that need neither, while the
+    session's engine and service start (`Ahead`); tests that damage the shared service (killing replicas or the
+    coordinator) run after all others. A module's tests stay together (its fixtures are set up once), placed by the
+    most its tests need. A test that needs the CPU default model's files (its real tokenizer) is marked `model`;
+    real-engine and real-service tests are marked `engine` or `ray`: `pytest -m "not (model or engine or ray)"`
+    runs the rest on a clone where the model was never fetched."""
     module_need: dict[Any, int] = {}
     for item in items:
         if "model_path" in getattr(item, "fixturenames", ()):

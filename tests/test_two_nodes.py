@@ -1,5 +1,6 @@
 """Two model replicas on two Ray worker nodes of this machine, each on its own half of the cores (tests/two_nodes.py,
-in its own process: it starts its own Ray cluster), as a service deployed on two hosts runs:
+in its own process, started as the session begins: it starts its own Ray cluster), as a service deployed on two
+hosts runs:
 
 - affinity: an agent's compaction is served from the cache its turns filled, and not without affinity;
 - the simulator matches the live service per placement policy;
@@ -14,6 +15,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,25 +28,34 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.ray, pytest.mark.engine, pytest.mark.own_engine]
 
 
-@pytest.fixture(scope="module")
-def figures(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    work = tmp_path_factory.mktemp("two-nodes")
+def start_ahead(work: Path) -> Callable[[], dict[str, Any]]:
+    """The driver, started as the session begins (tests/conftest.py `Ahead`), beside the other programs with engines
+    or clusters of their own: nothing here is a timing. Its figures, once it has run."""
     out = work / "figures.json"
     env = {k: v for k, v in os.environ.items() if k not in {"RAY_ADDRESS", "COMPACTION_API_KEY"}}
     env |= {"RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(ROOT), "TWO_NODES_PORT": str(free_port())}
-    driver = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "two_nodes.py"), "--out", str(out), "--work", str(work)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=1500,
-        start_new_session=True,
-    )
-    assert driver.returncode == 0, driver.stderr[-4000:]
-    result: dict[str, Any] = json.loads(out.read_text())
-    print(json.dumps(result, indent=2))  # the figures: placement, status codes, failovers, time to recover
-    return result
+
+    def run() -> dict[str, Any]:
+        driver = subprocess.run(
+            [sys.executable, str(ROOT / "tests" / "two_nodes.py"), "--out", str(out), "--work", str(work)],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=1500,
+            start_new_session=True,
+        )
+        assert driver.returncode == 0, driver.stderr[-4000:]
+        result: dict[str, Any] = json.loads(out.read_text())
+        return result
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def figures(model_path: Path, own_program: dict[str, Any]) -> dict[str, Any]:
+    print(json.dumps(own_program, indent=2))  # the figures: placement, status codes, failovers, time to recover
+    return own_program
 
 
 def ran(figures: dict[str, Any], phase: str) -> dict[str, Any]:

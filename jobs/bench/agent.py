@@ -2,7 +2,8 @@
 
     python -m jobs.bench.agent [--dataset locomo|hotpotqa] [--limit 12] [--tau 4096] [--background 2560]
                                [--modes none,blocking_sequential,blocking_parallel,background_parallel,rolling_parallel]
-                               [--tool-time codex|SECONDS] [--url URL | --port 8000] [--out results/bench-agent]
+                               [--tool-time codex|SECONDS] [--rounds 1] [--url URL | --port 8000]
+                               [--out results/bench-agent]
 
 Starts the service (or uses a running one with --url) and plays the same stream of steps (a LoCoMo
 conversation's sessions with their questions, or HotpotQA paragraphs and questions: one document per
@@ -14,8 +15,12 @@ end-to-end time, tool time, the agent-visible stall (total and worst), p50/p95 l
 that applied no compaction, the mean prompt a turn was answered from, compactions, prefill computed
 vs cached (the agent's turns and the compactions), reused chunk summaries, given-up ones (a rolled
 chunk whose background asking again a turn gave up), answer F1; then the ratios between modes.
-Writes `<out>/bench_agent.json` and `<out>/bench_agent.png` (prompt size per turn, end to end per
-mode).
+`--rounds R` plays the modes R times on the same service, every other round in reverse order (A B, B A,
+...): a machine whose speed drifts, or a mode that runs better first or second, then weighs on each
+mode alike; each ratio is printed per round and as the median of the rounds.
+Writes `<out>/bench_agent.json` (the first round's totals and turns, which `python -m jobs.sim replay`
+reads; every round's totals, ratios and turns; the median ratios) and `<out>/bench_agent.png` (prompt size per
+turn, end to end per mode, first round).
 
     python -m jobs.bench.agent --overhead [--history-tokens 7600] [--pairs 12]
 
@@ -29,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -45,6 +51,7 @@ from serving.local import quiet_http_clients
 from serving.tenants import client_key
 
 say = sayer("bench-agent")
+WARM_TURNS = 4  # played once before the first mode
 
 
 def load_steps(dataset: str, limit: int, data_dir: Path) -> list[Step]:
@@ -137,18 +144,27 @@ def run(args: argparse.Namespace) -> int:
     if "none" in modes and whole + args.answer_tokens > args.window:
         say(f"skipping mode none: the whole stream ({whole} tokens) does not fit the {args.window}-token window")
         modes.remove("none")
-    episodes = with_service(
+    rounds = with_service(
         args, lambda client, reset: play(client, reset, steps, modes, settings, chunks_hint, tools, args)
     )
-    totals = {e.mode: e.totals() for e in episodes}
-    print(table(list(totals.values()), list(next(iter(totals.values())))))
-    found = ratios(totals)
+    per_round = [{e.mode: e.totals() for e in episodes} for episodes in rounds]
+    rows = [{"round": i, **row} for i, totals in enumerate(per_round) for row in totals.values()]
+    print(table(rows, list(rows[0])))
+    round_ratios = [ratios(totals) for totals in per_round]
+    found = {name: round(statistics.median(r[name] for r in round_ratios), 3) for name in round_ratios[0]}
     for name, value in found.items():
-        print(f"{name} = {value:.3f}")
+        each = f" (rounds: {', '.join(f'{r[name]:.3f}' for r in round_ratios)})" if len(rounds) > 1 else ""
+        print(f"{name} = {value:.3f}{each}")
     args.out.mkdir(parents=True, exist_ok=True)
+    episodes, totals = rounds[0], per_round[0]
     record = {
         "settings": asdict(settings), "tool_time": args.tool_time.label(), "steps": len(steps),
         "stream_tokens": whole, "system_tokens": system_tokens(tokenizer), "totals": totals, "ratios": found,
+        "rounds": [
+            {"order": modes if i % 2 == 0 else modes[::-1], "totals": t, "ratios": r,
+             "turns": {e.mode: [asdict(turn) for turn in e.turns] for e in played}}
+            for i, (t, r, played) in enumerate(zip(per_round, round_ratios, rounds, strict=True))
+        ],
     }  # fmt: skip
     record["turns"] = {e.mode: [asdict(t) for t in e.turns] for e in episodes}
     (args.out / "bench_agent.json").write_text(json.dumps(record, indent=1, default=str))
@@ -215,34 +231,42 @@ def play(
     hint: int,
     tools: list[float],
     args: Any,
-) -> list[ChatEpisode]:
-    episodes = []
-    for mode in modes:
-        reset()
-        say(f"mode {mode}: {len(steps)} turns")
-        episode = run_episode(client, MODEL, args.dataset, steps, mode, settings, hint, tools)
-        say(
-            f"mode {mode}: {episode.e2e_s:.1f} s, stall {episode.stall_s:.2f} s, {len(episode.compactions)} compactions"
-        )
-        episodes.append(episode)
-    return episodes
+) -> list[list[ChatEpisode]]:
+    """Each round's episodes, in `modes` order (a round plays them reversed every other time). The first turns
+    on a new engine are slower (a second more for the first); a few turns without compaction take that cost
+    before the first mode plays."""
+    say(f"warming the engine: {WARM_TURNS} turns without compaction")
+    run_episode(client, MODEL, args.dataset, steps[:WARM_TURNS], "none", settings, hint)
+    rounds = []
+    for i in range(args.rounds):
+        episodes = {}
+        for mode in modes if i % 2 == 0 else modes[::-1]:
+            reset()
+            at = f"round {i + 1} of {args.rounds}, " if args.rounds > 1 else ""
+            say(f"{at}mode {mode}: {len(steps)} turns")
+            episode = run_episode(client, MODEL, args.dataset, steps, mode, settings, hint, tools)
+            stall, compactions = episode.stall_s, len(episode.compactions)
+            say(f"{at}mode {mode}: {episode.e2e_s:.1f} s, stall {stall:.2f} s, {compactions} compactions")
+            episodes[mode] = episode
+        rounds.append([episodes[mode] for mode in modes])
+    return rounds
 
 
-def with_service(args: argparse.Namespace, body: Any) -> list[ChatEpisode]:
+def with_service(args: argparse.Namespace, body: Any) -> Any:
     """Run `body(openai_client, reset)` against --url, or a service started here (caches reset per mode)."""
     from openai import OpenAI
 
     # Like an agent: a 429/503 with Retry-After is retried (twice) after the wait it names; its time is in the turn.
     if args.url:
         client = OpenAI(base_url=f"{args.url}/v1", api_key=client_key() or "unused", max_retries=2, timeout=900)
-        return list(body(client, lambda: None))
+        return body(client, lambda: None)
     service_args: dict[str, Any] = {
         **replicas(args.replicas),
         **({"catalogue": args.catalogue} if args.catalogue else {}),
     }
     with local_service(args.port, service_args) as (service, reset):
         client = OpenAI(base_url=f"{service.url}/v1", api_key=client_key() or "unused", max_retries=2, timeout=900)
-        return list(body(client, reset))
+        return body(client, reset)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -264,6 +288,10 @@ def main(argv: list[str] | None = None) -> int:
         "the default) or a fixed number of seconds (0: back to back)",
     )
     parser.add_argument("--tool-seed", type=int, default=0, help="seed of the tool-time draws")
+    parser.add_argument(
+        "--rounds", type=int, default=1, choices=range(1, 11), metavar="1..10",
+        help="play the modes this many times, every other round in reverse order; ratios: the rounds' median",
+    )  # fmt: skip
     parser.add_argument("--url", default=None, help="a running service (its caches are not reset)")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--replicas", type=int, default=1, choices=range(1, 9), metavar="1..8")

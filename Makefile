@@ -9,7 +9,7 @@ AGENTS := .agents
 AGENT_PACKAGES := @openai/codex@0.171.0 @anthropic-ai/claude-code@2.1.197 opencode-ai@1.18.33
 AGENT_STAMP := $(AGENTS)/.installed-stamp
 
-.PHONY: install model agents run test lint bench serve sweep load clean
+.PHONY: install model agents run test test-pure lint bench serve sweep load clean
 
 $(STAMP): pyproject.toml Makefile
 	@echo "[setup] creating $(VENV) and installing the project with the CPU engine (about 2 minutes, 4 GB)"
@@ -47,6 +47,10 @@ run: model
 
 test: model agents
 	$(BIN)/python -m pytest -q -ra --durations=15
+
+# The tests that need neither the model's files nor an engine nor a Ray cluster (under a minute, no model fetched).
+test-pure: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not (model or engine or ray)"
 
 lint: $(STAMP)
 	$(BIN)/ruff check . && $(BIN)/ruff format --check . && $(BIN)/mypy

@@ -161,12 +161,12 @@ def run(args: argparse.Namespace) -> int:
         "settings": asdict(settings), "tool_time": args.tool_time.label(), "steps": len(steps),
         "stream_tokens": whole, "system_tokens": system_tokens(tokenizer), "totals": totals, "ratios": found,
         "rounds": [
-            {"order": modes if i % 2 == 0 else modes[::-1], "totals": t, "ratios": r,
+            {"order": play_order(modes, i), "totals": t, "ratios": r,
              "turns": {e.mode: [asdict(turn) for turn in e.turns] for e in played}}
             for i, (t, r, played) in enumerate(zip(per_round, round_ratios, rounds, strict=True))
         ],
     }  # fmt: skip
-    record["turns"] = {e.mode: [asdict(t) for t in e.turns] for e in episodes}
+    record["turns"] = record["rounds"][0]["turns"]
     (args.out / "bench_agent.json").write_text(json.dumps(record, indent=1, default=str))
     plot(episodes, args.out / "bench_agent.png")
     say(f"wrote {args.out / 'bench_agent.json'} and {args.out / 'bench_agent.png'}")
@@ -241,7 +241,7 @@ def play(
     rounds = []
     for i in range(args.rounds):
         episodes = {}
-        for mode in modes if i % 2 == 0 else modes[::-1]:
+        for mode in play_order(modes, i):
             reset()
             at = f"round {i + 1} of {args.rounds}, " if args.rounds > 1 else ""
             say(f"{at}mode {mode}: {len(steps)} turns")
@@ -251,6 +251,11 @@ def play(
             episodes[mode] = episode
         rounds.append([episodes[mode] for mode in modes])
     return rounds
+
+
+def play_order(modes: list[str], index: int) -> list[str]:
+    """The order round `index` plays the modes in: as given, reversed every other round."""
+    return modes if index % 2 == 0 else modes[::-1]
 
 
 def with_service(args: argparse.Namespace, body: Any) -> Any:

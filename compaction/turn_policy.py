@@ -44,7 +44,7 @@ from compaction.render import rendered_views
 from compaction.tokenizer import ChatTokenizer
 
 # Defaults that follow the threshold when the entry does not set them.
-KEEP_RECENT_SHARE = 0.25  # the newest turns up to this share of the (lower) threshold stay verbatim
+KEEP_RECENT_SHARE = 0.25  # the newest turns up to this share of the threshold stay verbatim (see keep_recent_share)
 CARRY_SHARE = 0.25  # earlier summaries are carried verbatim while within this share of compact_threshold
 USER_WORDS_SHARE = 0.075  # the user's words kept verbatim: this share of compact_threshold (Codex: 20k of 272k)
 LAST_ROLL_IDLE_SHARE = 0.25  # the last rolling run before the threshold needs this share of background_min_idle_s
@@ -96,19 +96,27 @@ class ContextManagement(CompactionOptions):
     @classmethod
     def _threshold_defaults(cls, data: Any) -> Any:
         """keep_recent_tokens, carry_summary_tokens, user_words_tokens and ledger_tokens default to shares of the
-        thresholds."""
+        thresholds (`keep_recent_default`)."""
         if isinstance(data, dict) and isinstance(data.get("compact_threshold"), int):
             threshold = data["compact_threshold"]
-            background = data.get("background_threshold")
-            lowest = min(threshold, background) if isinstance(background, int) and background > 0 else threshold
             data = {
-                "keep_recent_tokens": int(lowest * KEEP_RECENT_SHARE),
+                "keep_recent_tokens": keep_recent_default(
+                    threshold, data.get("background_threshold"), data.get("apply_background", "ready")
+                ),
                 "carry_summary_tokens": int(threshold * CARRY_SHARE),
                 "user_words_tokens": int(threshold * USER_WORDS_SHARE),
                 "ledger_tokens": int(threshold * LEDGER_SHARE),
                 **data,
             }
         return data
+
+
+def keep_recent_default(threshold: int, background: Any, apply_background: Any) -> int:
+    """A quarter of the threshold whose compaction keeps them: compact_threshold's for "rolling" (the compaction at
+    it is blocking's, so is its window), else the lower threshold's (a background snapshot's result must fit
+    under background_threshold)."""
+    lower = isinstance(background, int) and 0 < background < threshold and apply_background != "rolling"
+    return int((background if lower else threshold) * KEEP_RECENT_SHARE)
 
 
 def parse_context_management(raw: Any, field: str = "context_management") -> ContextManagement | None:
@@ -142,7 +150,8 @@ def _check_thresholds(entry: ContextManagement, at: str) -> None:
             f"{at}.background_threshold",
             f"{entry.background_threshold} must be below compact_threshold ({entry.compact_threshold})",
         )
-    lowest = min(t for t in (entry.compact_threshold, entry.background_threshold) if t is not None)
+    background = entry.background_threshold if entry.apply_background != "rolling" else None  # rolling splices none
+    lowest = entry.compact_threshold if background is None else background
     if entry.keep_recent_tokens >= lowest:
         name = "background_threshold" if lowest != entry.compact_threshold else "compact_threshold"
         raise InvalidInput(

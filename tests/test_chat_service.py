@@ -143,8 +143,9 @@ def test_a_rolling_sessions_last_turn_before_the_threshold_and_its_reply_roll_th
 ) -> None:
     """The turn after which one more like it passes compact_threshold rolls its whole history, last chunk too, and
     once its reply is sent, that history with the reply; the turn past the threshold (the reply sent back as the
-    model gave it, then a new turn longer than keep_recent_tokens, 225) compacts as blocking does: the same chunks,
-    the reply in the last one, the same turns kept (the fake-engine tests in test_sessions show nothing is sent)."""
+    model gave it, then a new turn longer than keep_recent_tokens, 425: a quarter of 1700) compacts as blocking
+    does: the same chunks, the reply in the last one, the same turns kept (the fake-engine tests in test_sessions
+    show nothing is sent)."""
     client, session = openai_client(service.url), f"chat-{uuid.uuid4().hex[:8]}"
     entry = {"compact_threshold": 1700, "background_threshold": 1100, "apply_background": "rolling"}
     entry |= {"max_chunk_summary_tokens": 16, "background_min_idle_s": 0}  # this test sends its turns back to back
@@ -166,13 +167,13 @@ def test_a_rolling_sessions_last_turn_before_the_threshold_and_its_reply_roll_th
     assert last["status"] == "running" and 1300 < last["prompt_tokens"] <= 1700, last
     assert "reply_for" not in last  # the service's own
     assert settled(session)  # the last run, then its follow-up with the reply (the ingress hands it on once sent)
-    report = "Report: " + " ".join(f"module_{i}.py is fine at line {10 + i}." for i in range(30))  # over 225 tokens
+    report = "Report: " + " ".join(f"module_{i}.py is fine at line {10 + i}." for i in range(40))  # 552 tokens
     reply = {"role": "assistant", "content": answer.choices[0].message.content}
     over = [*grown, reply, {"role": "user", "content": report}]
     rolled = ask(client, over, session, **entry).model_extra["compaction"]
     assert rolled["status"] == "applied" and rolled["source"] == "background", rolled
     blocking = ask(client, over, f"chat-{uuid.uuid4().hex[:8]}", **{**entry, "reuse_chunks": False})
-    made = blocking.model_extra["compaction"]  # blocking summarises the reply too (the new turn alone is over 225)
+    made = blocking.model_extra["compaction"]  # blocking summarises the reply too (the new turn alone is over 425)
     assert made["status"] == "applied" and rolled["replaces_through"] == made["replaces_through"] == len(grown) + 1
     borders = lambda c: [(k["start"], k["end"]) for k in c["stats"]["per_chunk"]]  # noqa: E731
     assert borders(rolled) == borders(made)

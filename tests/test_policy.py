@@ -43,6 +43,10 @@ def test_defaults_follow_the_thresholds() -> None:
     plain = entry()
     assert plain.keep_recent_tokens == 1500 and plain.carry_summary_tokens == 1500 and plain.keep_current_turn
     assert entry(background_threshold=2000).keep_recent_tokens == 500
+    rolling = entry(background_threshold=1000, apply_background="rolling")  # τ's compaction is blocking's: its window
+    assert rolling.keep_recent_tokens == entry().keep_recent_tokens == 1500
+    with pytest.raises(InvalidInput, match="keep_recent_tokens"):
+        entry(background_threshold=1000, keep_recent_tokens=1500)  # a snapshot's result must fit under 1000
     assert entry(keep_recent_tokens=0).keep_recent_tokens == 0
     options = entry(chunk_tokens=512, variant="concise").options()
     assert options.chunk_tokens == 512 and options.variant == "concise" and options.keep_current_turn

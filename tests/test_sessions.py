@@ -393,7 +393,8 @@ def cached_coordinator(tokenizer: HFChatTokenizer, replicas: FakeReplicas, next_
     return Coordinator({MODEL: runtime}, AdmissionConfig())
 
 
-ROLLING = {"background_threshold": 700, "apply_background": "rolling"}
+# keep_recent_tokens: a window these short turns pass (the default, a quarter of compact_threshold: test_policy)
+ROLLING = {"background_threshold": 700, "apply_background": "rolling", "keep_recent_tokens": 175}
 
 
 async def rolled(

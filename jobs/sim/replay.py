@@ -25,7 +25,7 @@ from typing import Any
 
 import simpy
 
-from compaction.turn_policy import KEEP_RECENT_SHARE
+from compaction.turn_policy import keep_recent_default
 from jobs.sim.cluster import Cluster
 from jobs.sim.config import SimConfig
 from jobs.sim.profiles import EngineProfile
@@ -64,6 +64,7 @@ def config(mode: str, record: Mapping[str, Any], profile: str) -> SimConfig:
     settings = record["settings"]
     tau, soft = settings["compact_threshold"], settings["background_threshold"]
     background = mode in ("background_parallel", "rolling_parallel")
+    apply_background = "rolling" if mode == "rolling_parallel" else "ready"
     stats = [t["compaction"] for t in record["turns"][mode] if t["compaction"]]
     asked = [s["output_tokens"] / max(1, s["chunks"] - s.get("reused_chunks", 0) + s.get("retries", 0)) for s in stats]
     decoded = [per_attempt * s["chunks"] for per_attempt, s in zip(asked, stats, strict=True)]
@@ -72,11 +73,11 @@ def config(mode: str, record: Mapping[str, Any], profile: str) -> SimConfig:
     return SimConfig(
         profile=profile, replicas=1, sessions=1, duration_s=7 * 86_400, warm_start=False, ramp_s=0,
         mode="background" if background else "blocking", tau=tau, background_share=soft / tau,
-        apply_background="rolling" if mode == "rolling_parallel" else "ready",
+        apply_background=apply_background,
         strategy="sequential" if mode == "blocking_sequential" else "parallel", chunk_tokens=settings["chunk_tokens"],
         summary_tokens=max(16, round(statistics.fmean(decoded))) if decoded else settings["summary_tokens"],
         summary_text_tokens=round(statistics.fmean(s["summary_tokens"] for s in stats)) if stats else None,
-        keep_recent_tokens=int((soft if background else tau) * KEEP_RECENT_SHARE),
+        keep_recent_tokens=keep_recent_default(tau, soft if background else None, apply_background),
         system_tokens=record["system_tokens"], policy="pinned", retry_share=again / len(chunks) if chunks else 0.0,
     )  # fmt: skip
 

@@ -59,9 +59,9 @@ DEFAULT_MAX_BYTES = 512 * 2**20  # per coordinator replica: background jobs and 
 CompactFn = Callable[[CompactJob, asyncio.Event], Coroutine[Any, Any, ServiceResult]]
 
 
-# The coordinator's rolling entry: (job, urgent, sent, answered) -> chunks summarised into the chunk cache (nothing
-# merged); `sent` is set once its prompts are in flight; `answered` once the turn's reply is sent (`Coordinator.roll`).
-RollFn = Callable[[CompactJob, asyncio.Event, asyncio.Event, asyncio.Event | None], Coroutine[Any, Any, int]]
+# The coordinator's rolling entry: (job, urgent, sent) -> chunks summarised into the chunk cache (nothing merged);
+# `sent` is set once its prompts are in flight.
+RollFn = Callable[[CompactJob, asyncio.Event, asyncio.Event], Coroutine[Any, Any, int]]
 
 
 # Prefill a prompt on the session's replica at background priority: (model, messages, session, cache salt) -> tokens.
@@ -119,7 +119,7 @@ class SessionCompactions:
                 full = f"no background compaction: this tenant has {self._cap(turn.tenant)} running already"
                 return TurnCompaction(status="none", prompt_tokens=turn.prompt_tokens, note=full)
             started = self._start(turn, turn.messages, digests, turn.prompt_tokens)
-            reply_for = len(turn.messages) if started.rolling else None
+            reply_for = len(turn.messages) if started.job is not None else None
             return TurnCompaction(status="running", prompt_tokens=turn.prompt_tokens, reply_for=reply_for)
         if action in ("none", "start_background"):
             status: Status = "running" if state in ("running", "done") else "none"
@@ -186,21 +186,19 @@ class SessionCompactions:
         return sum(r.held() for runs in self._runs.values() for r in runs.values())
 
     def replied(self, model: str, tenant: str, session: str, messages: int, reply: Message) -> None:
-        """The reply to the turn that started the session's rolling run (a history of `messages` messages) was sent:
-        the agent is in its tools, and the run may begin where it waits for that (`Coordinator.roll`). For the last
-        run before the threshold, a follow-up run summarises that history with the reply, so the compaction at the
-        threshold finds blocking's own last chunk (the reply in it) summarised or in flight."""
+        """The reply to the turn that started the session's last rolling run before its threshold (a history of
+        `messages` messages) was sent: a follow-up run summarises that history with the reply, so the compaction at
+        the threshold finds blocking's own last chunk (the reply in it) summarised or in flight."""
         running = self._runs[tenant].peek(session) if tenant in self._runs else None
-        if self._roll is None or running is None or (running.made_for[0], running.snapshot.length) != (model, messages):
+        if self._roll is None or running is None or running.job is None or running.follow is not None:
             return
-        running.answered.set()
         job = running.job
-        if job is None or running.follow is not None or running.warmed.cancelled():
+        if job.model != model or len(job.messages) != messages or running.warmed.cancelled():
             return
         follow = job.model_copy(update={"messages": [*job.messages, lean_message(reply)], "roll_reply": True})
         running.follow_digest = reply_digest(reply)
         roll, urgent, sent = self._roll, running.urgent, running.follow_sent
-        running.follow = asyncio.create_task(lean(lambda: roll(follow, urgent, sent, None)), name=f"reply-{session}")
+        running.follow = asyncio.create_task(lean(lambda: roll(follow, urgent, sent)), name=f"reply-{session}")
         running.follow.add_done_callback(retrieve)
         running.follow_bytes = len(follow.model_dump_json())
         running.followed.set()
@@ -224,12 +222,12 @@ class SessionCompactions:
 
     def _start(self, turn: ChatTurn, messages: Sequence[Message], digests: Sequence[str], tokens: int) -> Running:
         session = turn.session_id or ""
-        urgent, sent, answered = asyncio.Event(), asyncio.Event(), asyncio.Event()
+        urgent, sent = asyncio.Event(), asyncio.Event()
         roll = self._roll if turn.entry.apply_background == "rolling" else None
         last = roll is not None and last_before_threshold(tokens, turn.growth, turn.entry)
         job = self._job(turn, [lean_message(m) for m in messages], "background", last)
         work: Callable[[], Coroutine[Any, Any, ServiceResult | int]]
-        work = (lambda: roll(job, urgent, sent, answered)) if roll is not None else (lambda: self._compact(job, urgent))
+        work = (lambda: roll(job, urgent, sent)) if roll is not None else (lambda: self._compact(job, urgent))
         compaction: asyncio.Task[ServiceResult | int] = asyncio.create_task(lean(work), name=f"background-{session}")
         warmed = asyncio.create_task(lean(lambda: self._warmed(compaction, job, urgent)), name=f"warm-{session}")
         for task in (compaction, warmed):
@@ -244,7 +242,7 @@ class SessionCompactions:
         snapshot, size = Snapshot.of(digests), len(job.model_dump_json())
         running = Running(
             snapshot, usable_by(turn), compaction, warmed, urgent, size, tokens, roll is not None, sent, last, beside,
-            job if last else None, answered=answered,
+            job if last else None,
         )  # fmt: skip
         if beside is not None:  # once it ends, only the chunk cache keeps what it made
 
@@ -324,7 +322,7 @@ class SessionCompactions:
         reply_for = None
         if turn.session_id and wants_background(tokens, turn.growth, turn.entry, turn.idle_s) and self._room_for(turn):
             started = self._start(turn, prompt, message_digests(prompt), tokens)  # the compacted prompt: next snapshot
-            reply_for = len(prompt) if started.rolling else None
+            reply_for = len(prompt) if started.job is not None else None
         return TurnCompaction(
             status="applied",
             messages=head,

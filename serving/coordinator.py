@@ -59,8 +59,6 @@ from serving.routing import (
 )
 from serving.tenants import DEFAULT_TENANT
 
-ANSWER_WAIT_S = 60.0  # a rolling run waits at most this long for its turn's reply to be handed on (`Coordinator.roll`)
-
 
 class CompactJob(BaseModel):
     """One validated compaction request, as the ingress hands it to the coordinator."""
@@ -181,16 +179,6 @@ class AdmissionConfig(BaseModel):
     )
 
 
-async def _first_set(events: list[asyncio.Event], timeout_s: float) -> None:
-    """Until one of `events` is set, or `timeout_s` has passed."""
-    waits = [asyncio.ensure_future(event.wait()) for event in events]
-    try:
-        await asyncio.wait(waits, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for wait in waits:
-            wait.cancel()
-
-
 def _plan(compactor: Compactor, job: CompactJob) -> tuple[CompactionPlan, int]:
     """The job's plan and how many of its chunks the chunk cache already holds (run in a worker thread)."""
     plan = compactor.plan(job.messages, job.options, job.tenant, job.prefer_tail_from, job.tools)
@@ -269,24 +257,14 @@ class Coordinator:
         return result
 
     async def roll(
-        self,
-        job: CompactJob,
-        urgent: asyncio.Event | None = None,
-        sent: asyncio.Event | None = None,
-        answered: asyncio.Event | None = None,
+        self, job: CompactJob, urgent: asyncio.Event | None = None, sent: asyncio.Event | None = None
     ) -> int:
         """Summarise the whole chunks of the job's history into the chunk cache (with `roll_last`, its last chunk
         too), at the job's priority, and merge nothing: a rolling background run, whose summaries the compaction at
         the threshold takes from the cache, or joins while in flight (`sent` is set once they are), raising the
         prompts it joins to the agent's priority; `urgent` set admits a run still queued at once. Returns how many
-        chunks it summarised; raises a CompactionError like `compact`.
-        `answered`: set once the reply to the turn that started the run is sent. On engines where no background
-        work goes beside the agent's (`ModelRuntime.next_beside` off: the CPU rule) the run begins only then (or
-        when `urgent`, or after ANSWER_WAIT_S): begun with the turn, its planning took the turn's cores and its
-        prompts could reach the engine first, the turn then waiting for a background step."""
+        chunks it summarised; raises a CompactionError like `compact`."""
         runtime = self.runtime(job.model)
-        if answered is not None and not runtime.next_beside:
-            await _first_set([answered] if urgent is None else [answered, urgent], ANSWER_WAIT_S)
         timeout = job.timeout_s or self.admission.timeout_s
         try:
             async with asyncio.timeout(timeout):

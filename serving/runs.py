@@ -41,7 +41,6 @@ class Running:
     follow_bytes: int = 0  # what the follow-up's job holds while it runs
     follow_digest: str | None = None  # the reply it took (`compaction.turn_policy.message_digests`, lean)
     followed: asyncio.Event = field(default_factory=asyncio.Event)  # its follow-up has started
-    answered: asyncio.Event = field(default_factory=asyncio.Event)  # the reply to the turn that started it was sent
 
     def state(self, digests: Sequence[str], turn: ChatTurn) -> Background:
         if self.made_for != usable_by(turn) or not self.snapshot.covers(digests):

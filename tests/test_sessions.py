@@ -520,28 +520,6 @@ async def rolled_to_the_threshold(
     return outcome, blocking, sent_so_far(replicas) - sent, len(before)
 
 
-async def test_where_nothing_goes_beside_the_agents_turn_a_rolling_run_begins_once_the_turns_reply_is_sent(
-    tokenizer: HFChatTokenizer,
-) -> None:
-    """On engines with the CPU rule (`next_beside` off) a rolling run sends nothing while the turn that started it is
-    answered (its planning and prompts would take that turn's steps): it begins once the ingress hands that turn's
-    reply on. With the GPU rule it begins at once (`rolled`, which hands nothing on)."""
-    replicas = FakeReplicas()
-    served = cached_coordinator(tokenizer, replicas, next_beside=False)
-    sessions = SessionCompactions(served.compact, roll=served.roll)
-    history: list[dict[str, Any]] = [SYSTEM, *conversation(0, 16)]
-    first = turn(tokenizer, history, **ROLLING)
-    started = await sessions.turn(first, tokenizer)
-    assert started.status == "running" and started.reply_for == len(history)
-    reply = Message(role="assistant", content="Noted.")
-    sessions.replied(MODEL, first.tenant, "s1", len(history) - 1, reply)  # another turn's reply: not this run's
-    await asyncio.sleep(0.05)  # room for a wrong send (a correct run sends nothing either way)
-    assert sent_so_far(replicas) == 0 and sessions.running() == 1
-    sessions.replied(MODEL, first.tenant, "s1", len(history), reply)
-    await until(lambda: not sessions.running())
-    assert sent_so_far(replicas) >= 1 and len(served.runtime(MODEL).compactor.cache or ()) == sent_so_far(replicas)
-
-
 async def test_the_last_turn_before_the_threshold_summarises_every_chunk_the_thresholds_compaction_will_take(
     tokenizer: HFChatTokenizer,
 ) -> None:
@@ -754,12 +732,10 @@ async def test_the_last_turns_before_the_threshold_share_their_chunks_and_only_t
     replicas = FakeReplicas(gate=gate)  # every prompt waits on the engines until the gate opens
     served = cached_coordinator(tokenizer, replicas, next_beside=False)  # as on the CPU: last runs in the background
     sessions = SessionCompactions(served.compact, roll=served.roll)
-    for i, messages in enumerate(turns):  # one more turn this long would pass the threshold: each is a last turn's
+    for messages in turns:  # one more turn this long would pass the threshold: each is a last turn's
         last = turn(tokenizer, messages, **ROLLING).model_copy(update={"growth": 1200})
         parked = replicas.parked
         assert (await sessions.turn(last, tokenizer)).status == "running"
-        reply = Message.model_validate((turns[i + 1] if i + 1 < len(turns) else history)[len(messages)])
-        sessions.replied(MODEL, last.tenant, "s1", len(messages), reply)  # sent: the run (and a follow-up) begins
         await until(lambda parked=parked: replicas.parked > parked)
     sent = replicas.parked
     outcome = asyncio.create_task(sessions.turn(turn(tokenizer, history, **ROLLING), tokenizer))

@@ -28,3 +28,10 @@ def test_rounds_warm_the_engine_then_play_the_modes_in_alternating_order(monkeyp
     assert len(resets) == 6  # each mode's episode on emptied caches (the warm-up needs none)
     assert [[e.mode for e in r] for r in rounds] == [["a", "b"]] * 3  # each round's episodes in the modes' order
     assert [e.e2e_s for e in rounds[1]] == [5.0, 4.0]  # round 2 played b first
+
+
+def test_the_record_keeps_each_modes_window_of_recent_turns_as_the_service_resolves_its_entry() -> None:
+    modes = ["none", "blocking_parallel", "background_parallel", "rolling_parallel"]
+    windows = agent.kept_windows(LoopSettings(4096, 2560), modes, 6)
+    # A spliced background result must fit under background_threshold; rolling's compaction at τ is blocking's.
+    assert windows == {"blocking_parallel": 1024, "background_parallel": 640, "rolling_parallel": 1024}

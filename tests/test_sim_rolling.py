@@ -150,6 +150,14 @@ def test_a_replay_asks_again_the_share_of_chunks_the_run_did_and_waits_longer_fo
     assert after.compactions == before.compactions and after.stall_s > before.stall_s
 
 
+def test_a_replay_keeps_the_window_of_recent_turns_the_recorded_run_had() -> None:
+    record = json.loads(RECORD.read_text())
+    assert config("rolling_parallel", record, "cpu-smollm2").keep_recent_tokens == 640  # the service's default then
+    del record["keep_recent_tokens"]  # a record without them: the service's defaults now
+    assert config("rolling_parallel", record, "cpu-smollm2").keep_recent_tokens == 1024
+    assert config("background_parallel", record, "cpu-smollm2").keep_recent_tokens == 640
+
+
 def test_a_replay_of_a_file_that_is_not_a_benchmark_record_says_what_it_lacks(tmp_path: Path) -> None:
     from jobs.sim.__main__ import main
 

@@ -160,6 +160,7 @@ def run(args: argparse.Namespace) -> int:
     record = {
         "settings": asdict(settings), "tool_time": args.tool_time.label(), "steps": len(steps),
         "stream_tokens": whole, "system_tokens": system_tokens(tokenizer), "totals": totals, "ratios": found,
+        "keep_recent_tokens": kept_windows(settings, modes, chunks_hint),
         "rounds": [
             {"order": play_order(modes, i), "totals": t, "ratios": r,
              "turns": {e.mode: [asdict(turn) for turn in e.turns] for e in played}}
@@ -171,6 +172,14 @@ def run(args: argparse.Namespace) -> int:
     plot(episodes, args.out / "bench_agent.png")
     say(f"wrote {args.out / 'bench_agent.json'} and {args.out / 'bench_agent.png'}")
     return 0
+
+
+def kept_windows(settings: LoopSettings, modes: list[str], hint: int) -> dict[str, int]:
+    """Each compacting mode's keep_recent_tokens, as the service resolves its entry (`jobs.sim replay` reads them)."""
+    from compaction.turn_policy import parse_context_management
+
+    entries = {mode: parse_context_management([settings.entry(mode, hint)]) for mode in modes if mode != "none"}
+    return {mode: entry.keep_recent_tokens for mode, entry in entries.items() if entry is not None}
 
 
 def overhead(client: Any, history: list[dict[str, Any]], pairs: int, threshold: int) -> dict[str, float]:

@@ -77,7 +77,9 @@ def config(mode: str, record: Mapping[str, Any], profile: str) -> SimConfig:
         strategy="sequential" if mode == "blocking_sequential" else "parallel", chunk_tokens=settings["chunk_tokens"],
         summary_tokens=max(16, round(statistics.fmean(decoded))) if decoded else settings["summary_tokens"],
         summary_text_tokens=round(statistics.fmean(s["summary_tokens"] for s in stats)) if stats else None,
-        keep_recent_tokens=keep_recent_default(tau, soft if background else None, apply_background),
+        keep_recent_tokens=record.get("keep_recent_tokens", {}).get(
+            mode, keep_recent_default(tau, soft if background else None, apply_background)
+        ),
         system_tokens=record["system_tokens"], policy="pinned", retry_share=again / len(chunks) if chunks else 0.0,
     )  # fmt: skip
 

@@ -44,7 +44,7 @@ from compaction.render import rendered_views
 from compaction.tokenizer import ChatTokenizer
 
 # Defaults that follow the threshold when the entry does not set them.
-KEEP_RECENT_SHARE = 0.25  # the newest turns up to this share of the threshold stay verbatim (see keep_recent_share)
+KEEP_RECENT_SHARE = 0.25  # the newest turns up to this share of the threshold stay verbatim (`keep_recent_default`)
 CARRY_SHARE = 0.25  # earlier summaries are carried verbatim while within this share of compact_threshold
 USER_WORDS_SHARE = 0.075  # the user's words kept verbatim: this share of compact_threshold (Codex: 20k of 272k)
 LAST_ROLL_IDLE_SHARE = 0.25  # the last rolling run before the threshold needs this share of background_min_idle_s

@@ -5,10 +5,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
-import socket
 from collections.abc import Callable, Iterable
 
 import httpx
+
+from jobs.bench.common import free_port  # noqa: F401 (the tests' import of it)
 
 # The model name the test servers expose: the CPU default's catalogue name.
 SERVED_MODEL = "smollm2-135m-instruct"
@@ -25,13 +26,6 @@ async def until(condition: Callable[[], object], timeout_s: float = 30.0) -> Non
         if loop.time() > deadline:
             raise AssertionError(f"not reached within {timeout_s:.0f} s")
         await asyncio.sleep(0.005)
-
-
-def free_port() -> int:
-    """A TCP port that is free on 127.0.0.1 right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # The shared real service's tenants. The default one's key reaches the ingress through COMPACTION_API_KEY (set

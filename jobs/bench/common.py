@@ -3,6 +3,7 @@ service started with its replicas and a way to empty their prefix caches (each m
 
 from __future__ import annotations
 
+import random
 import socket
 import sys
 import time
@@ -38,11 +39,24 @@ def table(rows: list[dict[str, Any]], columns: list[str]) -> str:
     return "\n".join(lines)
 
 
+# Above Ray's worker ports (10002-19999) and below Linux's ephemeral range (32768-60999), where Ray's own servers
+# and every outgoing connection get theirs: a port found free here stays free while a Ray cluster starts before the
+# service binds it.
+SERVICE_PORTS = range(20000, 32768)
+
+
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port free on 127.0.0.1 right now, from SERVICE_PORTS (a random start, so parallel callers differ)."""
+    start = random.randrange(len(SERVICE_PORTS))
+    for i in range(len(SERVICE_PORTS)):
+        port = SERVICE_PORTS[(start + i) % len(SERVICE_PORTS)]
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port on 127.0.0.1 in {SERVICE_PORTS.start}-{SERVICE_PORTS.stop - 1}")
 
 
 def replicas(count: int, model: str = MODEL) -> dict[str, Any]:

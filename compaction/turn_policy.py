@@ -44,7 +44,7 @@ from compaction.render import rendered_views
 from compaction.tokenizer import ChatTokenizer
 
 # Defaults that follow the threshold when the entry does not set them.
-KEEP_RECENT_SHARE = 0.25  # the newest turns up to this share of the threshold stay verbatim (`keep_recent_default`)
+KEEP_RECENT_SHARE = 0.25  # the newest turns up to this share of the threshold stay verbatim (`window_threshold`)
 CARRY_SHARE = 0.25  # earlier summaries are carried verbatim while within this share of compact_threshold
 USER_WORDS_SHARE = 0.075  # the user's words kept verbatim: this share of compact_threshold (Codex: 20k of 272k)
 LAST_ROLL_IDLE_SHARE = 0.25  # the last rolling run before the threshold needs this share of background_min_idle_s
@@ -111,12 +111,17 @@ class ContextManagement(CompactionOptions):
         return data
 
 
-def keep_recent_default(threshold: int, background: Any, apply_background: Any) -> int:
-    """A quarter of the threshold whose compaction keeps them: compact_threshold's for "rolling" (the compaction at
-    it is blocking's, so is its window), else the lower threshold's (a background snapshot's result must fit
+def window_threshold(threshold: int, background: Any, apply_background: Any) -> int:
+    """The threshold the kept window must stay under: compact_threshold for "rolling" (its compaction there is
+    blocking's; its background work splices nothing), else the lower one (a spliced background result must fit
     under background_threshold)."""
     lower = isinstance(background, int) and 0 < background < threshold and apply_background != "rolling"
-    return int((background if lower else threshold) * KEEP_RECENT_SHARE)
+    return background if lower else threshold
+
+
+def keep_recent_default(threshold: int, background: Any, apply_background: Any) -> int:
+    """keep_recent_tokens when the entry does not set it: a quarter of its `window_threshold`."""
+    return int(window_threshold(threshold, background, apply_background) * KEEP_RECENT_SHARE)
 
 
 def parse_context_management(raw: Any, field: str = "context_management") -> ContextManagement | None:
@@ -150,8 +155,7 @@ def _check_thresholds(entry: ContextManagement, at: str) -> None:
             f"{at}.background_threshold",
             f"{entry.background_threshold} must be below compact_threshold ({entry.compact_threshold})",
         )
-    background = entry.background_threshold if entry.apply_background != "rolling" else None  # rolling splices none
-    lowest = entry.compact_threshold if background is None else background
+    lowest = window_threshold(entry.compact_threshold, entry.background_threshold, entry.apply_background)
     if entry.keep_recent_tokens >= lowest:
         name = "background_threshold" if lowest != entry.compact_threshold else "compact_threshold"
         raise InvalidInput(

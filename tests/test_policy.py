@@ -47,6 +47,8 @@ def test_defaults_follow_the_thresholds() -> None:
     assert rolling.keep_recent_tokens == entry().keep_recent_tokens == 1500
     with pytest.raises(InvalidInput, match="keep_recent_tokens"):
         entry(background_threshold=1000, keep_recent_tokens=1500)  # a snapshot's result must fit under 1000
+    with pytest.raises(InvalidInput, match="compact_threshold"):
+        entry(background_threshold=1000, apply_background="rolling", keep_recent_tokens=6000)  # τ's must fit
     assert entry(keep_recent_tokens=0).keep_recent_tokens == 0
     options = entry(chunk_tokens=512, variant="concise").options()
     assert options.chunk_tokens == 512 and options.variant == "concise" and options.keep_current_turn

@@ -1,7 +1,7 @@
 """Stage 4: a compaction, planned (`compaction.plan`), run and merged (`compaction.merge`).
 
-`Compactor.run` sends every chunk prompt at once on the backend, settles each chunk's attempts
-through the checks (`compaction.checks`: retry, strip, fall back) and merges them in chunk order.
+`Compactor.run` sends every chunk prompt at once on the backend, each settled through the checks
+(`compaction.chunk_summary`, `compaction.checks`: retry, strip, fall back), and merges them in chunk order.
 Sequential compaction is the same flow with one prompt over the whole span; extractive
 compaction partitions like parallel but asks no model (each chunk's most salient lines).
 
@@ -18,34 +18,24 @@ from collections.abc import Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from compaction.backend import Backend, GenerationRequest
+from compaction.backend import Backend
 from compaction.bounded import BoundedLRU
-from compaction.checks.grounding import Source
-from compaction.checks.settle import Attempt, Settled, settle, should_retry
 from compaction.chunk_cache import ChunkCache
-from compaction.chunk_content import choice
-from compaction.extractive import extract, segments
+from compaction.chunk_summary import extract_chunk, summarise_chunk
 from compaction.history import Message
-from compaction.instructions import caller_instructions
 from compaction.merge import merge
-from compaction.options import CompactionOptions, model_budget
+from compaction.options import CompactionOptions
 from compaction.pacing import AGENT, Escalation, first_of, unless_raised, urgency
-from compaction.partition import Chunk, PlanLimits
+from compaction.partition import PlanLimits
 from compaction.plan import CompactionPlan, Planner
 from compaction.result import ChunkStats, CompactionResult
 from compaction.tokenizer import ChatTokenizer
 
-RETRY_REPETITION_PENALTY = 1.3
 FALLBACKS = frozenset({"kept_verbatim", "extractive_fallback"})  # a chunk's statuses without a model summary
 FELL_BACK_ENTRIES = 4096  # chunk prompts remembered as fallen back in a background run
 LASTS = 4096  # rolling runs' last chunks in flight, by where they start (`Compactor._newest_last`)
 _Kept = tuple[ChunkStats, str]  # a chunk's stats and kept text
 Ahead = Literal["turn", "reply"]  # a rolling run's last chunk: of a turn's history, or of it with the turn's reply
-
-
-def request_id(k: int, strict: bool = False) -> str:
-    """The request id of chunk k's first prompt or of its stricter retry (engine logs, the coordinator's figures)."""
-    return f"chunk-{k}-{'retry' if strict else 'first'}"
 
 
 @dataclass(frozen=True)
@@ -135,7 +125,7 @@ class Compactor:
         """
         began = time.perf_counter()
         if plan.options.strategy == "extractive":
-            extracted = [self._extract(plan, chunk) for chunk in plan.chunks]
+            extracted = [extract_chunk(self.tokenizer, plan, chunk) for chunk in plan.chunks]
             return self._merge(plan, extracted, time.perf_counter() - began)
         summaries = await self.summarise(plan, range(len(plan.prompts)), routes, backend)
         per_chunk = [summaries[k] for k in range(len(plan.prompts))]
@@ -213,7 +203,7 @@ class Compactor:
         if that run fails or is cancelled, this one sends it. A rolling run's last chunk (`last`) is None once a
         later run's supersedes it (`_newest_last`)."""
         if self.cache is None or not plan.options.reuse_chunks:
-            return await self._summarise(backend, plan, k, route)
+            return await summarise_chunk(self.tokenizer, backend, plan, k, route)
         prompt = plan.prompts[k]
         key = self.cache.key(plan.scope, plan.history.token_ids, prompt.chunk, prompt.view)
         other = self._in_flight.get(key)
@@ -228,7 +218,7 @@ class Compactor:
         self._in_flight[key] = mine
         try:
             both = self._fell_back.pop(key) is not None
-            work = self._summarise(own, plan, k, route, both=both)
+            work = summarise_chunk(self.tokenizer, own, plan, k, route, both=both)
             if (kept := await (work if last is None else self._newest_last(key, work))) is None:
                 return None
             # A background chunk that fell back is asked again at once, both its prompts together, as a compaction
@@ -238,7 +228,7 @@ class Compactor:
             # the fallback of one raised during its second asking (given up: the turn waits for no more than that).
             if ask_fallbacks_again and not both and urgency(own) > AGENT and kept[0].status in FALLBACKS:
                 self._fell_back.put(key, True)  # this run cancelled first: the next one to ask sends both
-                work = self._summarise(own, plan, k, route, both=True)
+                work = summarise_chunk(self.tokenizer, own, plan, k, route, both=True)
                 again = asyncio.ensure_future(work if last is None else self._newest_last(key, work))
                 if not await unless_raised(own, again):  # raised first: a turn waiting for it takes the fallback
                     kept = kept[0].model_copy(update={"given_up": True}), kept[1]
@@ -296,120 +286,6 @@ class Compactor:
         prompt = plan.prompts[k]
         hit = self.cache.get(plan.scope, plan.history.token_ids, prompt.chunk, prompt.view)
         return None if hit is None else _as_reused((hit.stats, hit.text), k)
-
-    async def _summarise(
-        self, backend: Backend, plan: CompactionPlan, k: int, route: str | None, both: bool = False
-    ) -> tuple[ChunkStats, str]:
-        """Chunk k's summary: its prompt, then its strict prompt if that attempt was bad. `both`: the chunk fell back
-        before (a background run's summary, never kept), so both prompts go at once, the strict one's answer
-        used only if the first is bad: the agent waiting for it waits for one attempt, not two."""
-        opts = plan.options
-        began = time.perf_counter()
-        source = self._source(plan, k)
-        tails = [self.tokenizer.decode(prompts[k].tail) for prompts in (plan.prompts, plan.strict_prompts)]
-
-        def request(strict: bool) -> GenerationRequest:
-            return GenerationRequest(
-                prompt_token_ids=(plan.strict_prompts if strict else plan.prompts)[k].token_ids,
-                max_tokens=model_budget(opts),
-                min_tokens=model_budget(opts) if opts.fixed_output_tokens else 0,
-                temperature=opts.temperature,
-                repetition_penalty=max(RETRY_REPETITION_PENALTY, opts.repetition_penalty)
-                if strict
-                else opts.repetition_penalty,
-                request_id=request_id(k, strict),
-                routing_key=route,
-            )
-
-        attempts: list[Attempt] = []
-        spent: list[Attempt] = []  # every attempt made, for the stats
-        given_up = False
-        if both and opts.retry_bad_summaries and not opts.fixed_output_tokens:
-            first, strict = await asyncio.gather(backend.generate(request(False)), backend.generate(request(True)))
-            spent = [Attempt.of(first, source, tails[0]), Attempt.of(strict, source, tails[1])]
-            attempts = spent if should_retry(spent[:1], opts) else spent[:1]
-        while not attempts or should_retry(attempts, opts, echo=urgency(backend) > AGENT):  # nobody waits
-            again = bool(attempts)
-            asked = asyncio.ensure_future(backend.generate(request(again)))
-            if again and not should_retry(attempts, opts, echo=False) and not await unless_raised(backend, asked):
-                given_up = True  # asked again for an echo, and a turn waits for it now: it keeps its extractive text
-                break
-            attempts.append(Attempt.of(await asked, source, tails[again]))
-        chunk = plan.chunks[k]
-        kept = settle(
-            attempts,
-            opts,
-            source,
-            verbatim=lambda: self.tokenizer.decode(plan.history.token_ids[chunk.start : chunk.end]).strip(),
-            extractive=lambda: self._extractive_text(plan, chunk),
-        )
-        return self._chunk_stats(plan, k, attempts, kept, time.perf_counter() - began, spent, given_up), kept.text
-
-    def _source(self, plan: CompactionPlan, k: int) -> Source:
-        """What chunk k's summary may state: the chunk, the history before it, and the caller's instructions
-        (chunk_instructions and instructions).
-
-        Our own instruction text (part numbers, the word budget) is not a source: a summary that
-        states "24" because the tail said "at most 24 words" has invented it.
-        """
-        extra = caller_instructions(plan.options, k)
-        if plan.sources is not None:
-            return plan.sources.source(plan.chunks[k].end, *([extra] if extra else []))
-        before = segments(plan.history, self.tokenizer, 0, plan.chunks[k].end)
-        return Source(*(s.text for s in before), *([extra] if extra else []))
-
-    def _extractive_text(self, plan: CompactionPlan, chunk: Chunk) -> str:
-        budget = plan.options.max_chunk_summary_tokens
-        return extract(plan.history, self.tokenizer, chunk.start, chunk.end, budget)
-
-    def _extract(self, plan: CompactionPlan, chunk: Chunk) -> tuple[ChunkStats, str]:
-        """Strategy extractive: chunk's most salient lines, no model call."""
-        began = time.perf_counter()
-        text = self._extractive_text(plan, chunk)
-        if plan.sources is not None:
-            source = plan.sources.source(chunk.end)
-        else:
-            source = Source(*(s.text for s in segments(plan.history, self.tokenizer, 0, chunk.end)))
-        kept = Settled(text, "extractive", 0, source.check(text))
-        return self._chunk_stats(plan, chunk.index, [], kept, time.perf_counter() - began), text
-
-    def _chunk_stats(
-        self,
-        plan: CompactionPlan,
-        k: int,
-        attempts: list[Attempt],
-        kept: Settled,
-        latency: float,
-        spent: Sequence[Attempt] = (),
-        given_up: bool = False,
-    ) -> ChunkStats:
-        generations = [a.generation for a in spent or attempts]  # what was sent, an unused attempt too
-        first = attempts[0] if attempts else None
-        return ChunkStats(
-            index=k,
-            start=plan.chunks[k].start,
-            end=plan.chunks[k].end,
-            prompt_tokens=sum(g.prompt_tokens for g in generations),
-            cached_prompt_tokens=sum(g.cached_prompt_tokens for g in generations),
-            computed_prefill_tokens=sum(g.computed_prefill_tokens for g in generations),
-            output_tokens=sum(g.output_tokens for g in generations),
-            summary_tokens=len(self.tokenizer.encode(kept.text)),
-            latency_s=latency,
-            retries=max(0, len(attempts) - 1),
-            failovers=sum(g.failovers for g in generations),
-            status=kept.status,
-            replica=generations[-1].replica if generations else None,
-            given_up=given_up,
-            first_verdict=first.verdict if first else None,
-            first_grounding=round(first.grounding.score, 4) if first else None,
-            first_salient_tokens=len(first.grounding.salient) if first else 0,
-            first_ungrounded=list(first.grounding.ungrounded) if first else [],
-            grounding=round(kept.grounding.score, 4),
-            salient_tokens=len(kept.grounding.salient),
-            ungrounded=list(kept.grounding.ungrounded),
-            dropped_sentences=kept.dropped_sentences,
-            content=choice(plan.history, plan.options, plan.chunks[k]) if attempts else None,
-        )
 
     def _merge(self, plan: CompactionPlan, per_chunk: list[_Kept], latency: float) -> CompactionResult:
         return merge(plan, per_chunk, latency, self.tokenizer, self.context_window)

@@ -32,7 +32,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from compaction.backend import Backend, Generation, GenerationRequest
-from compaction.compactor import Ahead, Compactor, request_id
+from compaction.chunk_summary import request_id
+from compaction.compactor import Ahead, Compactor
 from compaction.errors import (
     CompactionError,
     DeadlineExceeded,
@@ -125,7 +126,7 @@ class ServiceResult(BaseModel):
 
 @dataclass
 class Recorder:
-    """Passes requests through and keeps the first Generation of every request id (`compactor.request_id`)."""
+    """Passes requests through and keeps the first Generation of every request id (`chunk_summary.request_id`)."""
 
     inner: Backend
     first: dict[str, Generation] = field(default_factory=dict)

@@ -10,7 +10,8 @@ import pytest
 from compaction.backend import GenerationRequest
 from compaction.checks.quality import collapse_repeats, judge, repeated_sentences
 from compaction.chunk_content import INSTRUCTIONS, classify
-from compaction.compactor import Compactor, request_id
+from compaction.chunk_summary import request_id
+from compaction.compactor import Compactor
 from compaction.errors import InvalidInput, NothingToCompact
 from compaction.extractive import segments
 from compaction.history import parse_messages

@@ -80,9 +80,15 @@ class HFChatTokenizer:
 
     @classmethod
     def from_path(cls, path: str | Path) -> HFChatTokenizer:
-        from transformers import AutoTokenizer
+        """A model's tokenizer.json and tokenizer_config.json (its chat template too), from a local folder or a hub
+        repo id, read with transformers' tokenizers-backed class. Not AutoTokenizer: it imports torch through the
+        model config classes, which a coordinator, running no model, would hold for nothing (270 MiB and 3.5 s a
+        process)."""
+        if Path(path).is_dir() and not (Path(path) / "tokenizer.json").is_file():
+            raise InvalidInput("model", f"{path} has no tokenizer.json (a fast tokenizer); convert it first")
+        from transformers import PreTrainedTokenizerFast
 
-        return cls(AutoTokenizer.from_pretrained(str(path)))
+        return cls(PreTrainedTokenizerFast.from_pretrained(str(path)))
 
     def render(
         self,

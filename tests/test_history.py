@@ -125,3 +125,36 @@ def test_counting_beside_a_thread_that_encodes_special_tokens_as_text_counts_the
         stop.set()
         other.join()
     assert counts == {expected}
+
+
+def test_the_tokenizer_loads_without_torch_and_as_autotokenizer_would(tokenizer: HFChatTokenizer, model_path) -> None:
+    """A coordinator loads the tokenizer and runs no model: loading it imports no torch. What it renders, counts and
+    decodes is AutoTokenizer's (the model's own tokenizer class)."""
+    import subprocess
+    import sys
+
+    from transformers import AutoTokenizer
+
+    load = f"from compaction.tokenizer import HFChatTokenizer as T; T.from_path({str(model_path)!r}); import sys; "
+    code = load + "print('torch' in sys.modules)"
+    probe = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert probe.stdout.strip() == "False", probe.stderr[-2000:]
+    auto = HFChatTokenizer(AutoTokenizer.from_pretrained(str(model_path)))
+    tools = [{"type": "function", "function": {"name": "shell", "parameters": {"type": "object", "properties": {}}}}]
+    views = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "List the files <|im_end|> in /tmp, then say «fini»."},
+        {"role": "assistant", "content": "Done: a.txt, b.txt"},
+    ]
+    rendered = tokenizer.render(views, True, tools)
+    assert rendered == auto.render(views, True, tools)
+    assert tokenizer.encode(rendered) == auto.encode(rendered)
+    assert tokenizer.decode(tokenizer.encode(rendered)) == auto.decode(auto.encode(rendered))
+    assert tokenizer.special_tokens == auto.special_tokens
+    assert tokenizer.control_token_ids == auto.control_token_ids
+
+
+def test_a_model_folder_without_a_fast_tokenizer_is_refused_saying_what_to_do(tmp_path) -> None:
+    (tmp_path / "tokenizer_config.json").write_text("{}")
+    with pytest.raises(InvalidInput, match=r"no tokenizer\.json.*convert it first"):
+        HFChatTokenizer.from_path(tmp_path)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -102,9 +103,16 @@ def main() -> None:
     parser.add_argument("--address", required=True)
     parser.add_argument("--out", required=True, help="JSON file for the placements")
     parser.add_argument("--pending-wait-s", type=float, default=5.0)
+    parser.add_argument("--nodes", type=int, default=1, help="wait until this many nodes are alive")
+    parser.add_argument("--nodes-wait-s", type=float, default=300.0)
     args = parser.parse_args()
     ray.init(address=args.address, namespace="cluster-rehearsal", log_to_driver=False)
     try:
+        deadline = time.monotonic() + args.nodes_wait_s
+        while len(node_kinds()) < args.nodes:
+            if time.monotonic() > deadline:
+                raise SystemExit(f"{len(node_kinds())} of {args.nodes} nodes alive after {args.nodes_wait_s:.0f} s")
+            time.sleep(0.5)
         serve.start(proxy_location="Disabled")
         single = deploy(SINGLE_GPU_MODEL)
         pending = pending_while_pair_node_idle(OTHER_SINGLE_GPU_MODEL, args.pending_wait_s)

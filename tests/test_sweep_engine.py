@@ -50,7 +50,9 @@ def sweep_cli(work: Path, *extra: str) -> Callable[[], None]:
     cmd = [sys.executable, "jobs/sweep.py", "--config", str(config), "--results", str(work / "results"), *extra]
 
     def run() -> None:
-        subprocess.run(cmd, cwd=REPO_ROOT, env=env, check=True, timeout=1200)
+        done = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=1200)
+        if done.returncode != 0:  # started as the session begins, its output is no test's: it goes with the error
+            raise RuntimeError(f"the sweep exited {done.returncode}:\n{done.stdout[-2000:]}\n{done.stderr[-6000:]}")
 
     return run
 

@@ -140,19 +140,20 @@ def coordinators_rss(node_id: str | None = None) -> int:
     return sum(rss_bytes(p.pid) or 0 for p in found if p.role == "coordinator" and node_id in (None, p.node_id))
 
 
-async def failing_runs(url: str, count: int, key: str = KEYS["hostile"], tag: str = "fail") -> Counter[str]:
+async def failing_runs(
+    url: str, count: int, key: str = KEYS["hostile"], tag: str = "fail", parts: int = 40
+) -> Counter[str]:
     """Chat turns over background_threshold whose background run fails in planning (more chunks than allowed),
-    each message carrying about 1 KiB of extra fields inside its content part; the turns' compaction statuses.
-    Sent again (the same `tag`), the same turns say how each run ended: "none" (failed), "running" or "applied"
-    (it did not fail)."""
-    pad = {"cache_control": {"type": "ephemeral", "pad": "x" * 1024}}
+    each of its `parts` messages carrying its share of about 40 KiB of extra fields inside its content part (fewer
+    parts: less to prefill, as much to hold); the turns' compaction statuses. Sent again (the same `tag`), the same
+    turns say how each run ended: "none" (failed), "running" or "applied" (it did not fail)."""
+    pad = {"cache_control": {"type": "ephemeral", "pad": "x" * (40 * 1024 // parts)}}
     entry = {"type": "compaction", "compact_threshold": 4000, "background_threshold": 200, "chunk_tokens": 4}
     statuses: Counter[str] = Counter()
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
         for n in range(count):
-            messages = [
-                {"role": "user", "content": [{"type": "text", "text": line(i, f"{tag}{n}"), **pad}]} for i in range(40)
-            ]
+            parted = [[{"type": "text", "text": line(i, f"{tag}{n}"), **pad}] for i in range(parts)]
+            messages = [{"role": "user", "content": content} for content in parted]
             body = {"model": MODEL, "messages": messages, "max_tokens": 1, "context_management": [entry]}
             session = {"x-session-id": f"{tag}-{n}", "Authorization": f"Bearer {key}"}
             response = await client.post("/v1/chat/completions", json=body, headers=session)

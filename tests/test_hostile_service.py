@@ -198,3 +198,18 @@ def test_failing_background_runs_leave_the_coordinators_memory_as_it_was(service
     assert started == {"running": 8} and ended == {"none": 8}, (started, ended)
     print(f"coordinators' RSS {before / 2**20:.0f} -> {after / 2**20:.0f} MiB")
     assert before > 0 and after - before < 16 * 2**20
+
+
+def test_the_coordinators_load_no_torch(service: Any) -> None:
+    """A coordinator runs no model: its tokenizer loads without torch (compaction.tokenizer.HFChatTokenizer), so no
+    coordinator process of the service has torch's library mapped (about 270 MiB of RSS each, before)."""
+    from pathlib import Path
+
+    import ray
+
+    from jobs.bench.processes import service_processes
+
+    node = ray.get_runtime_context().get_node_id()
+    pids = [p.pid for p in service_processes() if p.role == "coordinator" and p.node_id == node]
+    mapped = {pid: "libtorch" in Path(f"/proc/{pid}/maps").read_text() for pid in pids}
+    assert pids and not any(mapped.values()), mapped

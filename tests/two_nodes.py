@@ -123,7 +123,11 @@ def held_by(node_id: str) -> list[str]:
 def kill_node(cluster: Any, node: Any) -> list[str]:
     """Remove the node without warning, then kill what its raylet's death left running: the machine is gone."""
     raylet = raylet_of(node.node_id)
-    assert raylet is not None, f"no raylet for node {node.node_id}"
+    if raylet is None:  # gone before the kill: say what the GCS thinks of it (a node declared dead ends its raylet)
+        import ray
+
+        known = [(n["Alive"], n.get("DeathReasonMessage")) for n in ray.nodes() if n["NodeID"] == node.node_id]
+        raise AssertionError(f"no raylet for node {node.node_id}; the GCS has it as (alive, death reason) {known}")
     doomed = [raylet, *raylet.children(recursive=True)]
     held = held_by(node.node_id)
     cluster.remove_node(node, allow_graceful=False)

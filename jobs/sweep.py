@@ -42,6 +42,7 @@ from serving.local import hush, ray_logging, verbose_requested, worker_env
 from serving.models import Catalogue, load_catalogue
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+RAY_START_TIMEOUT = "timed out during startup"  # ray._private.node.Node, its node not registered within 30 s
 
 
 say = sayer("sweep", clock=True)
@@ -214,7 +215,17 @@ def connect(address: str | None, num_cpus: int, quiet: bool = True) -> bool:
         ray.init(address=target, **ray_logging(quiet))
         return False
     runtime_env = {"env_vars": worker_env(quiet)}
-    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, runtime_env=runtime_env, **ray_logging(quiet))
+    try:
+        ray.init(
+            address="local", num_cpus=num_cpus, include_dashboard=False, runtime_env=runtime_env, **ray_logging(quiet)
+        )
+    except Exception as exc:  # Ray waits a fixed 30 s for its own node to register
+        if RAY_START_TIMEOUT not in str(exc):
+            raise
+        raise SystemExit(
+            f"{exc}\nThe machine was too busy for Ray to start within its 30 s: run the sweep again (done cells are "
+            "skipped), or start Ray first (`ray start --head`) and pass --address 127.0.0.1:6379"
+        ) from exc
     return True
 
 

@@ -26,12 +26,13 @@ from typing import Any
 import pytest
 import yaml
 
+from jobs.sweep import RAY_START_TIMEOUT
+
 pytestmark = pytest.mark.ray
 
 ROOT = Path(__file__).resolve().parents[1]
 RAY = str(Path(sys.executable).with_name("ray"))
 GCS_PORT = 18200
-STARTUP_TIMEOUT = "The current node timed out during startup"  # ray._private.node.Node, after 30 s
 # Per node: (node-manager, object-manager, dashboard-agent http, dashboard-agent grpc, runtime-env agent, metrics,
 # first worker port, last worker port). All inside 18200-18299.
 NODE_PORTS = {
@@ -122,7 +123,7 @@ def start_ahead(work: Path) -> Callable[[], dict[str, Any]]:
                 groups.append(proc.pid)
                 # A worker's `ray start` gives up after Ray's fixed 30 s when the GCS is slow to answer (a loaded
                 # machine) and leaves its raylet starting: the driver waits for all three nodes (`--nodes`).
-                if proc.wait(timeout=180) != 0 and (node_type == "head" or STARTUP_TIMEOUT not in log.read_text()):
+                if proc.wait(timeout=180) != 0 and (node_type == "head" or RAY_START_TIMEOUT not in log.read_text()):
                     raise RuntimeError(f"ray start for {node_type} failed: {log.read_text()}")
             command = [sys.executable, str(ROOT / "tests" / "cluster_rehearsal.py"), "--address", address]
             driver = subprocess.run(

@@ -195,3 +195,18 @@ def test_service_backend_reaches_every_model_over_http() -> None:
     assert isinstance(backend, OpenAIBackend) and backend.model == MODEL
     assert str(backend.client.base_url) == "http://127.0.0.1:18150" and access.context_window == 8192
     assert access.label == "service http://127.0.0.1:18150" and access.tokenizer_path == str(model_dir())
+
+
+def test_a_local_ray_that_misses_its_start_up_wait_says_what_to_do(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ray gives its own node a fixed 30 s to register; on a busy machine the sweep says how to go on."""
+    import ray
+
+    from jobs.sweep import connect
+
+    def busy(*_: Any, **__: Any) -> None:
+        raise Exception("The current node timed out during startup. This could happen because ...")
+
+    monkeypatch.setattr(ray, "init", busy)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    with pytest.raises(SystemExit, match=r"run the sweep again .* --address"):
+        connect(None, 2)

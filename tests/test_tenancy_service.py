@@ -186,7 +186,8 @@ async def test_an_agents_compaction_goes_before_queued_background_runs(service: 
     async with httpx.AsyncClient(base_url=service.url, timeout=600) as http:
         running = [
             asyncio.create_task(http.post("/v1/compact", json={**long_compaction(2000, lines=12, session_id=session),
-                                "priority": "background", "messages": body(f"long {i}")["messages"] * 8}, headers=A))
+                                "priority": "background", "messages": body(f"long {i}")["messages"],
+                                "keep_recent_tokens": 0}, headers=A))
             for i in range(4)
         ]  # fmt: skip
         await asyncio.to_thread(wait_for, lambda: gate("ray_compaction_running") == 4, 120)

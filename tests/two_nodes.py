@@ -350,8 +350,18 @@ def turn(client: httpx.Client, i: int) -> int | None:
 
 def kill_and_measure(cluster: Any, workers: list[Any], url: str) -> dict[str, Any]:
     outcome: dict[str, Any] = {}
-    ingress_nodes = {p.node_id for p in service_processes() if p.role == "ingress"}
-    victim = next((w for w in workers if w.node_id not in ingress_nodes), workers[0])
+
+    # The victim holds a replica and a coordinator, never the ingress: Serve's proxy would answer 500 for the dead
+    # ingress until Serve replaces it (CI43). A scan can miss a process (its title or parents unreadable for a
+    # moment), so the ingress is looked for until it is found on a node.
+    def ingress_nodes() -> set[str | None]:
+        return {p.node_id for p in service_processes() if p.role == "ingress"}
+
+    wait_until(lambda: bool(ingress_nodes()) and None not in ingress_nodes(), 30)
+    held = ingress_nodes()
+    spared = [w for w in workers if w.node_id not in held]
+    assert held and None not in held and spared, f"no worker node known to be without the ingress: {held}"
+    victim = spared[0]
     turns: dict[int, int | None] = {}
     with httpx.Client(base_url=url, timeout=400) as client:
         warm = post(client, compact_body(history(HISTORY_TURNS // 3, "warm"), "spread"))

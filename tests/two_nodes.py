@@ -357,8 +357,10 @@ def kill_and_measure(cluster: Any, workers: list[Any], url: str) -> dict[str, An
     def ingress_nodes() -> set[str | None]:
         return {p.node_id for p in service_processes() if p.role == "ingress"}
 
-    wait_until(lambda: bool(ingress_nodes()) and None not in ingress_nodes(), 30)
-    held = ingress_nodes()
+    held, deadline = ingress_nodes(), time.monotonic() + 30
+    while (not held or None in held) and time.monotonic() < deadline:
+        time.sleep(0.1)
+        held = ingress_nodes()
     spared = [w for w in workers if w.node_id not in held]
     assert held and None not in held and spared, f"no worker node known to be without the ingress: {held}"
     victim = spared[0]

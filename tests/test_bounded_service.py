@@ -56,7 +56,7 @@ async def test_a_maximal_request_leaves_healthz_and_small_compactions_answering(
     messages = history(tokenizer, MAX_HISTORY_TOKENS - 2000, locomo)
     big = {
         "model": SERVED_MODEL, "messages": messages, "chunk_tokens": -(-MAX_HISTORY_TOKENS // MAX_CHUNKS),
-        "max_chunk_summary_tokens": 16, "reuse_chunks": False, "timeout_s": 20, "priority": "background",
+        "max_chunk_summary_tokens": 16, "reuse_chunks": False, "timeout_s": 10, "priority": "background",
     }  # fmt: skip
     small = {"model": SERVED_MODEL, "strategy": "sequential", "max_chunk_summary_tokens": 6, "reuse_chunks": False}
     health: list[float] = []
@@ -66,7 +66,7 @@ async def test_a_maximal_request_leaves_healthz_and_small_compactions_answering(
         running = asyncio.create_task(http.post("/v1/compact", json=big))
         await asyncio.sleep(1.0)
         i = 0
-        while not running.done() and time.perf_counter() - began < 25:
+        while not running.done() and time.perf_counter() - began < 15:
             t = time.perf_counter()
             assert (await http.get("/healthz")).status_code == 200
             health.append(time.perf_counter() - t)

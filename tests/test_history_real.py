@@ -42,8 +42,8 @@ async def test_windowed_layout_on_the_engine_reaches_its_floor(engine: Any, toke
 def test_compacted_coding_history_goes_straight_back_into_chat(
     client: httpx.Client, tokenizer: HFChatTokenizer
 ) -> None:
-    messages = coding_trace(12, 2500, tokenizer).messages
-    options = {"chunk_tokens": 512, "max_chunk_summary_tokens": 32, "keep_recent_tokens": 500}
+    messages = coding_trace(12, 1500, tokenizer).messages
+    options = {"chunk_tokens": 512, "max_chunk_summary_tokens": 32, "keep_recent_tokens": 300}
     response = client.post("/v1/compact", json={"model": SERVED_MODEL, "messages": messages, **options})
     assert response.status_code == 200, response.text
     body = response.json()

@@ -97,10 +97,15 @@ async def test_a_burst_queues_then_sheds_and_identical_requests_run_once(service
     per_coordinator = SERVICE_LIMITS["max_running"] + SERVICE_LIMITS["max_queued"]
     burst = 64  # against 2 x (4 running + 8 queued) admitted at most
     session = f"dedup-{uuid.uuid4().hex[:6]}"
+
+    def distinct(i: int) -> dict[str, Any]:
+        """The same history but its last user message: the queued ones find the rest in the prefix cache."""
+        body = cheap()
+        body["messages"][-2] = {"role": "user", "content": f"Burst request {i}."}
+        return body
+
     async with httpx.AsyncClient(base_url=service.url, headers=auth(), timeout=600) as http:
-        replies = await asyncio.gather(
-            *(http.post("/v1/compact", json=cheap(f"Burst request {i}.")) for i in range(burst))
-        )
+        replies = await asyncio.gather(*(http.post("/v1/compact", json=distinct(i)) for i in range(burst)))
         codes = [r.status_code for r in replies]
         print(f"burst of {burst}: {codes.count(200)} x 200, {codes.count(429)} x 429")
         assert (

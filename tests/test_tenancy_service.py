@@ -128,9 +128,9 @@ def test_the_engines_prefix_cache_tells_nothing_across_tenants(client: httpx.Cli
     """Same prompt, same replica (one session id): A's second request reads A's blocks; B and the default tenant,
     who may guess A's prompt, read none (their prompts carry other cache salts)."""
     rng = random.Random(uuid.uuid4().int)
-    prompt, session = [rng.randrange(1000, 40000) for _ in range(640)], f"salt-{uuid.uuid4().hex[:8]}"
+    prompt, session = [rng.randrange(1000, 40000) for _ in range(320)], f"salt-{uuid.uuid4().hex[:8]}"
     assert completion(client, A, prompt, session) == 0
-    assert completion(client, A, prompt, session) >= 512
+    assert completion(client, A, prompt, session) >= 256  # its two whole 128-token blocks
     assert completion(client, B, prompt, session) == 0
     assert completion(client, auth(), prompt, session) == 0
 

@@ -1,0 +1,83 @@
+"""`pytest -p tests.prefill_report ...`: what each real-service test had the service's engines compute, costliest
+first, at the end of the run. On a CPU without native bf16 the suite's time is mostly prefill (float32, about
+200 tokens/s on two cores: docs/core.md), so this is the table to read before making a test cheaper.
+
+vLLM's counters are read from Ray's metrics endpoint before and after the body of each test marked `ray`; they
+reach it up to an export interval late, so each reading waits that long first (the run is slower by about 2.5 s a
+test). Work a test leaves running (a background run still decoding) is counted to the tests after it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tests.support import samples
+
+EXPORT_S = 1.2  # the test cluster exports metrics every second
+COUNTERS = {
+    "prompt": "ray_vllm_prompt_tokens_total",
+    "cached": "ray_vllm_prompt_tokens_cached_total",
+    "generated": "ray_vllm_generation_tokens_total",
+}
+ROWS = pytest.StashKey[list[tuple[int, int, int, float, str]]]()
+BEFORE = pytest.StashKey[tuple[dict[str, float] | None, float]]()
+
+
+def engine_counters(text: str) -> dict[str, float]:
+    """The engines' prompt, cached and generated token counters, summed over replicas, from Prometheus text."""
+    return {key: sum(samples(text, name)) for key, name in COUNTERS.items()}
+
+
+def read() -> dict[str, float] | None:
+    """The counters now, or None before the session's Ray cluster is up."""
+    import httpx
+    import ray
+
+    if not ray.is_initialized():
+        return None
+    time.sleep(EXPORT_S)
+    ports = [node["MetricsExportPort"] for node in ray.nodes() if node["Alive"]]
+    return engine_counters(httpx.get(f"http://127.0.0.1:{ports[0]}/metrics", timeout=30).text)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.stash[ROWS] = []
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
+    """The counters once the test's fixtures are up (the session's service, for the first test that needs it)."""
+    yield
+    if item.get_closest_marker("ray") is not None:
+        item.stash[BEFORE] = (read(), time.monotonic())
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    """The counters when the test's body ends, passed or failed (before teardown: the last test's ends the
+    session's cluster)."""
+    try:
+        yield
+    finally:
+        before, began = item.stash.get(BEFORE, (None, 0.0))
+        after = read() if before is not None else None
+        if before is not None and after is not None:
+            delta = {key: round(after[key] - before[key]) for key in COUNTERS}
+            row = (delta["prompt"] - delta["cached"], delta["prompt"], delta["generated"], time.monotonic() - began)
+            item.config.stash[ROWS].append((*row, item.nodeid))
+
+
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    found = config.stash[ROWS]
+    rows = sorted(found, reverse=True)
+    if not rows:
+        return
+    write = terminalreporter.write_line
+    write(f"\nprefill the service's engines computed, per test ({sum(r[0] for r in rows):,} tokens in all):")
+    write(f"{'computed':>9} {'prompt':>8} {'generated':>9} {'s':>6}  test")
+    for computed, prompt, generated, seconds, name in rows[:30]:
+        write(f"{computed:>9,} {prompt:>8,} {generated:>9,} {seconds:>6.1f}  {name}")

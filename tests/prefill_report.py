@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tests.support import samples
+from tests.support import samples, scrape
 
 EXPORT_S = 1.2  # the test cluster exports metrics every second
 COUNTERS = {
@@ -34,14 +34,13 @@ def engine_counters(text: str) -> dict[str, float]:
 
 def read() -> dict[str, float] | None:
     """The counters now, or None before the session's Ray cluster is up."""
-    import httpx
     import ray
 
     if not ray.is_initialized():
         return None
     time.sleep(EXPORT_S)
     ports = [node["MetricsExportPort"] for node in ray.nodes() if node["Alive"]]
-    return engine_counters(httpx.get(f"http://127.0.0.1:{ports[0]}/metrics", timeout=30).text)
+    return engine_counters(scrape(f"http://127.0.0.1:{ports[0]}/metrics"))
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -354,15 +354,16 @@ def kill_and_measure(cluster: Any, workers: list[Any], url: str) -> dict[str, An
     # The victim holds a replica and a coordinator, never the ingress: Serve's proxy would answer 500 for the dead
     # ingress until Serve replaces it (CI43). A scan can miss a process (its title or parents unreadable for a
     # moment), so the ingress is looked for until it is found on a node.
-    def ingress_nodes() -> set[str | None]:
-        return {p.node_id for p in service_processes() if p.role == "ingress"}
+    ingress: set[str | None] = set()
 
-    held, deadline = ingress_nodes(), time.monotonic() + 30
-    while (not held or None in held) and time.monotonic() < deadline:
-        time.sleep(0.1)
-        held = ingress_nodes()
-    spared = [w for w in workers if w.node_id not in held]
-    assert held and None not in held and spared, f"no worker node known to be without the ingress: {held}"
+    def ingress_found() -> bool:
+        ingress.clear()
+        ingress.update(p.node_id for p in service_processes() if p.role == "ingress")
+        return bool(ingress) and None not in ingress
+
+    wait_until(ingress_found, 30)
+    spared = [w for w in workers if w.node_id not in ingress]
+    assert ingress and None not in ingress and spared, f"no worker node known to be without the ingress: {ingress}"
     victim = spared[0]
     turns: dict[int, int | None] = {}
     with httpx.Client(base_url=url, timeout=400) as client:

@@ -8,7 +8,8 @@ compacted prompt on the session's replica, still at background priority, so the 
 reads that prompt from the prefix cache. The session's next turn (or, with apply_background
 "threshold", the one that crosses the hard threshold) splices the result onto the grown history; a
 turn that passes the hard threshold while the run is still going raises it to the agent's priority
-and waits only for what is left. A run is used only by a turn of the same model and options.
+and waits only for what is left. A run is used only by a turn of the same model and options; the session's
+first turn from its snapshot with others cancels it.
 When the prompt a turn is answered from already wants a background run (past background_threshold,
 or one more turn like this one would pass compact_threshold), that prompt is the next snapshot.
 
@@ -110,6 +111,10 @@ class SessionCompactions:
         self._check_wire(turn)
         digests = message_digests(turn.messages)
         running = self._sessions(turn).peek(turn.session_id) if turn.session_id else None
+        if running is not None and running.superseded(digests, turn):  # its work would only hold the engines
+            self._sessions(turn).pop(turn.session_id or "")
+            running.cancel()
+            running = None
         state: Background = running.state(digests, turn) if running else "absent"
         has_session = turn.session_id is not None
         fresh = turn.prompt_tokens - running.tokens if running is not None and state != "absent" else None

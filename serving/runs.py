@@ -49,6 +49,12 @@ class Running:
             return "running"
         return "failed" if self.warmed.cancelled() or self.warmed.exception() is not None else "done"
 
+    def superseded(self, digests: Sequence[str], turn: ChatTurn) -> bool:
+        """The session went on from its snapshot with another model, other options or another salt: no turn of it
+        will use this run. (A turn with another history, e.g. a side request on the same session id, supersedes
+        nothing: the conversation may still come back to this one.)"""
+        return self.made_for != usable_by(turn) and self.snapshot.covers(digests)
+
     def followed_by(self, messages: Sequence[Message]) -> bool:
         """Its follow-up has summarised its history with the reply, and the history goes on with that reply (as the
         template reads it): that run's chunks are the ones a compaction of this history cuts."""

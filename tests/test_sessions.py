@@ -273,6 +273,30 @@ async def test_a_background_run_is_used_only_by_a_turn_with_its_options(tokenize
     assert compact.calls[1].options.variant == "detailed"
 
 
+async def test_a_session_going_on_with_other_options_cancels_its_run_and_another_history_does_not(
+    tokenizer: HFChatTokenizer,
+) -> None:
+    gate = asyncio.Event()
+    replicas = FakeReplicas(gate=gate)
+    compact = Counting(tokenizer, replicas)
+    sessions = SessionCompactions(compact)
+    snapshot = [SYSTEM, *conversation(0, 16)]
+    await sessions.turn(turn(tokenizer, snapshot, background_threshold=700), tokenizer)
+    await until(lambda: replicas.parked > 0)  # the run's prompts wait at the replicas
+    side = [SYSTEM, {"role": "user", "content": "Name this conversation in three words."}]
+    assert (await sessions.turn(turn(tokenizer, side, variant="detailed"), tokenizer)).status == "none"
+    assert sessions.running() == 1 and compact.finished == 0  # a side request on the session id: the run goes on
+    went_on = [*snapshot, *conversation(16, 18)]
+    outcome = await sessions.turn(
+        turn(tokenizer, went_on, variant="detailed", compact_threshold=6000, background_threshold=5000), tokenizer
+    )
+    assert outcome.status == "none" and len(sessions) == 0  # not kept
+    await until(lambda: compact.finished == 1)  # cancelled: its prompts leave the replicas
+    gate.set()
+    await asyncio.sleep(0.05)
+    assert not replicas.served  # none of them ran
+
+
 async def test_a_turn_that_needs_a_running_background_run_raises_it_to_the_agents_priority(
     tokenizer: HFChatTokenizer,
 ) -> None:

@@ -17,7 +17,7 @@ from serving.ray_adapter import http_host
 from serving.tenants import KeyTable, TenancyConfig, check_exposure
 from tests.support import SERVED_MODEL, SERVICE_KEY, TENANT_KEYS, auth, scrape_sum
 from tests.test_chat_service import coding_history
-from tests.test_production import cheap, long_compaction, wait_for
+from tests.test_production import cheap, engine_generated, engine_running, held_still, long_compaction, wait_for
 
 pytestmark = [pytest.mark.ray, pytest.mark.engine]
 
@@ -99,22 +99,35 @@ def test_a_tenants_background_runs_never_pass_its_own_cap_on_requests_at_once(cl
     # are still going when the later turns arrive.
     long = {"strategy": "parallel", "chunk_tokens": 256, "max_chunk_summary_tokens": 256, "fixed_output_tokens": True}
     snapshot = [*steps[:41], {"role": "user", "content": "Keep going."}]  # ~1,010 tokens: past the soft threshold
-    turns = [
-        turn(client, narrow, snapshot, f"narrow-{uuid.uuid4().hex[:8]}", **long, reuse_chunks=False) for _ in "abc"
-    ]
+    sessions = [f"narrow-{uuid.uuid4().hex[:8]}" for _ in "abc"]
+    turns = [turn(client, narrow, snapshot, session, **long, reuse_chunks=False) for session in sessions]
     statuses = [t["status"] for t in turns]
     assert turns[0]["status"] == "running" and statuses.count("running") <= 2, turns
     refused = [t for t in turns if t["status"] == "none"]
     assert refused and all("has 1 running already" in t["note"] for t in refused), turns
+    for session in sessions:  # the sessions go on without background runs: theirs stop (tests after need the engines)
+        assert turn(client, narrow, snapshot, session, background_threshold=None)["status"] == "none"
 
 
-def test_a_turn_with_other_options_gets_no_spliced_result(client: httpx.Client) -> None:
+def test_a_turn_with_other_options_gets_no_spliced_result_and_stops_the_sessions_run(
+    client: httpx.Client, metrics_url: str
+) -> None:
+    """The session's background run would decode for minutes (every summary forced to 2,000 tokens); its next turn
+    comes with other options: it compacts afresh, and the run it can never use stops on the engines."""
     session, steps = f"options-{uuid.uuid4().hex[:8]}", coding_history(16)
     snapshot = [*steps[:41], {"role": "user", "content": "Keep going."}]
     grown = [*snapshot, {"role": "assistant", "content": "Yes."}, *steps[41:], {"role": "user", "content": "Done?"}]
-    assert turn(client, B, snapshot, session)["status"] == "running"
+    long = {"strategy": "parallel", "chunk_tokens": 256, "max_chunk_summary_tokens": 2000, "pinned_share": 0.0}
+    wait_for(lambda: engine_running(metrics_url) == 0, 120)
+    assert (
+        turn(client, B, snapshot, session, **long, fixed_output_tokens=True, reuse_chunks=False)["status"] == "running"
+    )
+    wait_for(lambda: engine_running(metrics_url) > 0, 120)  # the run is on the engines
     other = turn(client, B, grown, session, keep_recent_tokens=64)
     assert other["status"] == "applied" and other["source"] == "blocking", other
+    took = wait_for(lambda: engine_running(metrics_url) == 0, 30, 0.1)
+    settled = held_still(lambda: engine_generated(metrics_url), 3.0, 30.0)
+    assert took <= 2.0 + 2.0 and settled <= 4.0, (took, settled)  # as an abandoned compaction (tests.test_production)
 
 
 def completion(client: httpx.Client, headers: dict[str, str], prompt: list[int], session: str) -> int:

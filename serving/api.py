@@ -32,8 +32,10 @@ from compaction.errors import (
     UnknownModel,
 )
 from compaction.history import parse_messages
+from compaction.options import CompactionOptions
 from compaction.partition import PlanLimits
 from compaction.tokenizer import HFChatTokenizer
+from compaction.turn_policy import parse_context_management
 from serving.archive import ArchiveConfig
 from serving.coordinator import CompactJob, ServiceResult
 from serving.coordinator_calls import Suspects, call_coordinator
@@ -170,7 +172,8 @@ class CompactionIngress(OpenAiIngress):
 
     async def responses_compact(self, body: CompactResponsesRequest, request: Request) -> dict[str, Any]:
         """OpenAI's compaction endpoint: the kept user messages and one compaction item standing for the input."""
-        body = body.model_copy(update={"model": self._aliases.get(body.model, body.model)})
+        served = body.model
+        body = body.model_copy(update={"model": self._aliases.get(served, served)})
         call = wire_responses.compact_call(body, _header_session(request))
         self._window(body.model)
         messages = parse_messages(call.body["messages"], "input")
@@ -178,7 +181,7 @@ class CompactionIngress(OpenAiIngress):
         job = CompactJob(
             model=body.model,
             messages=messages,
-            options=body.options(),
+            options=self._compact_options(body, served),
             session_id=call.session,
             tenant=tenant.id,
             cache_salt=tenant.cache_salt,
@@ -229,6 +232,14 @@ class CompactionIngress(OpenAiIngress):
         if default is not None and CONTEXT_MANAGEMENT not in body and in_band:
             body[CONTEXT_MANAGEMENT] = [default]
         return replace(call, body=body)
+
+    def _compact_options(self, body: CompactResponsesRequest, served: str) -> CompactionOptions:
+        """The request's options, else (none sent: the Agents SDK's) its model's default_compaction entry's."""
+        default = self._defaults.get(served) or self._defaults.get(body.model)
+        if default is None or body.model_fields_set & set(CompactionOptions.model_fields):
+            return body.options()
+        entry = parse_context_management([default], f"default_compaction.{served}")
+        return body.options() if entry is None else entry.options()
 
     def _window(self, model: str) -> int:
         if model not in self._windows:

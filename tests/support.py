@@ -54,14 +54,19 @@ def auth(key: str = SERVICE_KEY) -> dict[str, str]:
 SERVICE_LIMITS = {"max_running": 4, "max_queued": 8}
 # Two model replicas (a core each): failover, affinity and placement need more than one.
 SERVED_ALIAS = "gpt-smollm2"  # an OpenAI-style name the Responses routes accept (the Agents SDK wants one)
+SDK_ALIAS = "gpt-smollm2-sdk"  # another, with a default entry: the Agents SDK's /v1/responses/compact sends no options
 # Names the agent CLIs use (tests/test_agents.py), each with the service's default compaction entry: OpenCode's
 # turns are compacted by it, Codex's in-band compaction_trigger takes its options.
 CODEX_ALIAS, OPENCODE_ALIAS = "codex-smollm2", "opencode-smollm2"
 CLI_COMPACTION = {"type": "compaction", "compact_threshold": 2500, "chunk_tokens": 256, "max_chunk_summary_tokens": 32,
                   "keep_recent_tokens": 256}  # fmt: skip
 SERVICE_ALIASES = {
-    "model_aliases": {SERVED_ALIAS: SERVED_MODEL, CODEX_ALIAS: SERVED_MODEL, OPENCODE_ALIAS: SERVED_MODEL},
-    "default_compaction": {CODEX_ALIAS: {**CLI_COMPACTION, "keep_current_turn": False}, OPENCODE_ALIAS: CLI_COMPACTION},
+    "model_aliases": {alias: SERVED_MODEL for alias in (SERVED_ALIAS, SDK_ALIAS, CODEX_ALIAS, OPENCODE_ALIAS)},
+    "default_compaction": {
+        CODEX_ALIAS: {**CLI_COMPACTION, "keep_current_turn": False},
+        OPENCODE_ALIAS: CLI_COMPACTION,
+        SDK_ALIAS: CLI_COMPACTION,
+    },
 }
 SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][\w:]*)(?:\{(?P<tags>[^}]*)\})? (?P<value>\S+)$")
 

@@ -198,6 +198,29 @@ async def test_compact_and_count_tokens(tokenizer: ChatTokenizer, model: Model) 
     assert 100 < counted["input_tokens"] < 1000 and not model.sent
 
 
+async def test_a_responses_compact_that_sends_no_options_takes_its_models_default_entry(
+    tokenizer: ChatTokenizer, model: Model
+) -> None:
+    ingress, jobs = Ingress(tokenizer), []
+    ingress._defaults = {
+        ALIAS: {"type": "compaction", "compact_threshold": 4000, "keep_recent_tokens": 64, "variant": "concise"}
+    }
+    compact = ingress._compact
+
+    async def recorded(job: CompactJob) -> ServiceResult:
+        jobs.append(job)
+        return await compact(job)
+
+    ingress._compact = recorded  # type: ignore[method-assign]
+    items = [*coding_items(10), {"role": "user", "content": "Which module has the bug?"}]
+    for sent in ({}, {"keep_recent_tokens": 128}):  # the Agents SDK's request; one with an option of its own
+        body = CompactResponsesRequest.model_validate({"model": ALIAS, "input": items, **sent})
+        await ingress.responses_compact(body, http("/v1/responses/compact"))
+    default, own = (job.options for job in jobs)
+    assert (default.keep_recent_tokens, default.variant) == (64, "concise")
+    assert (own.keep_recent_tokens, own.variant) == (128, "default")  # its own options, the rest at their defaults
+
+
 async def test_a_tenants_turn_carries_its_namespace_and_cache_salt(tokenizer: ChatTokenizer, model: Model) -> None:
     ingress = Ingress(tokenizer)
     ingress._tokenizers = {MODEL: tokenizer}

@@ -11,7 +11,8 @@ from typing import Any, Literal
 import httpx
 import pytest
 
-from tests.support import SERVED_ALIAS, SERVED_MODEL, SERVICE_KEY
+from tests.support import SDK_ALIAS, SERVED_MODEL, SERVICE_KEY, samples, scrape
+from tests.test_production import held_still
 from tests.test_wire_messages import coding_messages
 from tests.test_wire_responses import coding_items
 
@@ -242,9 +243,17 @@ def test_the_sdks_raise_their_own_errors(service: Any) -> None:
     assert caught.value.status_code == 404 and caught.value.body["error"]["type"] == "not_found_error"
 
 
-def test_the_openai_agents_sdks_compaction_session_compacts_through_the_service(service: Any) -> None:
+def single_chunk_and_all_compactions(metrics_url: str) -> tuple[float, float]:
+    """Compactions of one chunk, and all compactions, the service has answered (its histogram of chunks)."""
+    text = scrape(metrics_url)
+    single = sum(samples(text, "ray_compaction_chunks_bucket", le="1.0"))
+    return single, sum(samples(text, "ray_compaction_chunks_count"))
+
+
+def test_the_openai_agents_sdks_compaction_session_compacts_through_the_service(service: Any, metrics_url: str) -> None:
     """The Agents SDK, unmodified: agents on /v1/responses whose session calls /v1/responses/compact itself once
-    four model items have piled up, and goes on from the compaction item. A recorder agent's turns are each a tool
+    four model items have piled up (no options in it: its name's default_compaction entry gives them), and goes on
+    from the compaction item. A recorder agent's turns are each a tool
     call it is made to send (a named tool_choice, a strict schema: the engine's grammar writes it, so the turn
     ends the same way on any machine) and the tool's answer ends its run; the SDK compacts only after a model's
     answer, never right after a local tool's output, so a reviewer agent (no tools, a typed answer the grammar
@@ -280,7 +289,7 @@ def test_the_openai_agents_sdks_compaction_session_compacts_through_the_service(
 
     async def run() -> tuple[list[Any], list[Any]]:
         client = AsyncOpenAI(base_url=f"{service.url}/v1", api_key=SERVICE_KEY, max_retries=0)
-        model = OpenAIResponsesModel(model=SERVED_ALIAS, openai_client=client)
+        model = OpenAIResponsesModel(model=SDK_ALIAS, openai_client=client)
         settings = ModelSettings(max_tokens=64, temperature=0, store=False)
         forced = settings.resolve(ModelSettings(tool_choice="record"))
         recorder = Agent(
@@ -294,7 +303,7 @@ def test_the_openai_agents_sdks_compaction_session_compacts_through_the_service(
             key,
             SQLiteSession(key),
             client=client,
-            model=SERVED_ALIAS,
+            model=SDK_ALIAS,
             compaction_mode="input",
             should_trigger_compaction=lambda context: len(context["compaction_candidate_items"]) >= 4,
         )
@@ -304,7 +313,13 @@ def test_the_openai_agents_sdks_compaction_session_compacts_through_the_service(
             answers.append((await Runner.run(reviewer, "And your verdict?", session=compacting)).final_output)
         return await compacting.get_items(), answers
 
+    before = single_chunk_and_all_compactions(metrics_url)
     items, answers = asyncio.run(run())
+    held_still(lambda: single_chunk_and_all_compactions(metrics_url)[1], 1.5, 30)  # Ray exports each second
+    (single, compactions), (single_then, compactions_then) = single_chunk_and_all_compactions(metrics_url), before
+    single, compactions = single - single_then, compactions - compactions_then
+    # The entry's 256-token chunks, not one chunk of 2,048 (another test's late compactions may count too).
+    assert compactions >= 1 and single < compactions, (single, compactions)
     assert len(calls) == len(steps) and all(str(a).startswith("recorded ") for a in answers[::2]), (calls, answers)
     assert all(isinstance(a, Verdict) for a in answers[1::2]), answers
     kinds = [item.get("type") for item in items if isinstance(item, dict)]

@@ -273,15 +273,23 @@ async def test_a_background_run_is_used_only_by_a_turn_with_its_options(tokenize
     assert compact.calls[1].options.variant == "detailed"
 
 
-async def test_a_session_going_on_with_other_options_cancels_its_run_and_another_history_does_not(
+async def gated_run(
     tokenizer: HFChatTokenizer,
-) -> None:
+) -> tuple[asyncio.Event, FakeReplicas, Counting, SessionCompactions, list[dict[str, Any]]]:
+    """A session's background run of a 16-turn snapshot, its prompts held at the replicas until the gate opens."""
     gate = asyncio.Event()
     replicas = FakeReplicas(gate=gate)
     compact = Counting(tokenizer, replicas)
     sessions = SessionCompactions(compact)
     snapshot = [SYSTEM, *conversation(0, 16)]
     await sessions.turn(turn(tokenizer, snapshot, background_threshold=700), tokenizer)
+    return gate, replicas, compact, sessions, snapshot
+
+
+async def test_a_session_going_on_with_other_options_cancels_its_run_and_another_history_does_not(
+    tokenizer: HFChatTokenizer,
+) -> None:
+    gate, replicas, compact, sessions, snapshot = await gated_run(tokenizer)
     await until(lambda: replicas.parked > 0)  # the run's prompts wait at the replicas
     side = [SYSTEM, {"role": "user", "content": "Name this conversation in three words."}]
     assert (await sessions.turn(turn(tokenizer, side, variant="detailed"), tokenizer)).status == "none"
@@ -300,12 +308,7 @@ async def test_a_session_going_on_with_other_options_cancels_its_run_and_another
 async def test_a_turn_that_needs_a_running_background_run_raises_it_to_the_agents_priority(
     tokenizer: HFChatTokenizer,
 ) -> None:
-    gate = asyncio.Event()
-    replicas = FakeReplicas(gate=gate)
-    compact = Counting(tokenizer, replicas)
-    sessions = SessionCompactions(compact)
-    snapshot = [SYSTEM, *conversation(0, 16)]
-    await sessions.turn(turn(tokenizer, snapshot, background_threshold=700), tokenizer)
+    gate, replicas, compact, sessions, snapshot = await gated_run(tokenizer)
     await until(lambda: compact.calls)
     (job,) = compact.calls
     chunks = len(compact.coordinator.runtime(MODEL).compactor.plan(job.messages, job.options).prompts)

@@ -9,7 +9,7 @@ reads that prompt from the prefix cache. The session's next turn (or, with apply
 "threshold", the one that crosses the hard threshold) splices the result onto the grown history; a
 turn that passes the hard threshold while the run is still going raises it to the agent's priority
 and waits only for what is left. A run is used only by a turn of the same model and options; the session's
-first turn from its snapshot with others cancels it.
+first turn from its snapshot with others that comes here (past a threshold) cancels it.
 When the prompt a turn is answered from already wants a background run (past background_threshold,
 or one more turn like this one would pass compact_threshold), that prompt is the next snapshot.
 

@@ -4,7 +4,9 @@ first, at the end of the run. On a CPU without native bf16 the suite's time is m
 
 vLLM's counters are read from Ray's metrics endpoint before and after the body of each test marked `ray`; they
 reach it up to an export interval late, so each reading waits that long first (the run is slower by about 2.5 s a
-test). Work a test leaves running (a background run still decoding) is counted to the tests after it.
+test). Work a test leaves running (a background run still decoding) is counted to the tests after it; the
+`busy` column (requests on the engines as the test's body began) points at the tests that inherit such work, and a
+test that waits for idle engines waits for it.
 """
 
 from __future__ import annotations
@@ -22,13 +24,15 @@ COUNTERS = {
     "prompt": "ray_vllm_prompt_tokens_total",
     "cached": "ray_vllm_prompt_tokens_cached_total",
     "generated": "ray_vllm_generation_tokens_total",
+    "running": "ray_vllm_num_requests_running",  # a gauge: requests on the engines at the reading
 }
-ROWS = pytest.StashKey[list[tuple[int, int, int, float, str]]]()
+ROWS = pytest.StashKey[list[tuple[int, int, int, int, float, str]]]()
 BEFORE = pytest.StashKey[tuple[dict[str, float] | None, float]]()
 
 
 def engine_counters(text: str) -> dict[str, float]:
-    """The engines' prompt, cached and generated token counters, summed over replicas, from Prometheus text."""
+    """The engines' prompt, cached and generated token counters and running requests, summed over replicas,
+    from Prometheus text."""
     return {key: sum(samples(text, name)) for key, name in COUNTERS.items()}
 
 
@@ -66,7 +70,8 @@ def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
         after = read() if before is not None else None
         if before is not None and after is not None:
             delta = {key: round(after[key] - before[key]) for key in COUNTERS}
-            row = (delta["prompt"] - delta["cached"], delta["prompt"], delta["generated"], time.monotonic() - began)
+            computed, busy = delta["prompt"] - delta["cached"], round(before["running"])
+            row = (computed, delta["prompt"], delta["generated"], busy, time.monotonic() - began)
             item.config.stash[ROWS].append((*row, item.nodeid))
 
 
@@ -77,6 +82,11 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
         return
     write = terminalreporter.write_line
     write(f"\nprefill the service's engines computed, per test ({sum(r[0] for r in rows):,} tokens in all):")
-    write(f"{'computed':>9} {'prompt':>8} {'generated':>9} {'s':>6}  test")
-    for computed, prompt, generated, seconds, name in rows[:30]:
-        write(f"{computed:>9,} {prompt:>8,} {generated:>9,} {seconds:>6.1f}  {name}")
+    write(f"{'computed':>9} {'prompt':>8} {'generated':>9} {'busy':>4} {'s':>6}  test")
+    for computed, prompt, generated, busy, seconds, name in rows[:30]:
+        write(f"{computed:>9,} {prompt:>8,} {generated:>9,} {busy:>4} {seconds:>6.1f}  {name}")
+    inherited = [row for row in found if row[3]]
+    if inherited:
+        write(f"\n{len(inherited)} tests began with requests on the engines (an earlier test's work, still running):")
+        for *_, busy, _, name in inherited:
+            write(f"{busy:>4}  {name}")

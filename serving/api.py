@@ -227,15 +227,19 @@ class CompactionIngress(OpenAiIngress):
             return call
         model = self._aliases.get(served, served)
         body = {**call.body, "model": model}
-        default = self._defaults.get(served) or self._defaults.get(model)
+        default = self._default_entry(served, model)
         in_band = call.wire != "responses" or call.compact_now
         if default is not None and CONTEXT_MANAGEMENT not in body and in_band:
             body[CONTEXT_MANAGEMENT] = [default]
         return replace(call, body=body)
 
+    def _default_entry(self, served: str, model: str) -> dict[str, Any] | None:
+        """The operator's default_compaction entry for the name a request sent, else for the model it stands for."""
+        return self._defaults.get(served) or self._defaults.get(model)
+
     def _compact_options(self, body: CompactResponsesRequest, served: str) -> CompactionOptions:
         """The request's options, else (none sent: the Agents SDK's) its model's default_compaction entry's."""
-        default = self._defaults.get(served) or self._defaults.get(body.model)
+        default = self._default_entry(served, body.model)
         if default is None or body.model_fields_set & set(CompactionOptions.model_fields):
             return body.options()
         entry = parse_context_management([default], f"default_compaction.{served}")

@@ -251,14 +251,13 @@ def single_chunk_and_all_compactions(metrics_url: str) -> tuple[float, float]:
 
 
 def test_the_openai_agents_sdks_compaction_session_compacts_through_the_service(service: Any, metrics_url: str) -> None:
-    """The Agents SDK, unmodified: agents on /v1/responses whose session calls /v1/responses/compact itself once
-    four model items have piled up (no options in it: its name's default_compaction entry gives them), and goes on
-    from the compaction item. A recorder agent's turns are each a tool
-    call it is made to send (a named tool_choice, a strict schema: the engine's grammar writes it, so the turn
-    ends the same way on any machine) and the tool's answer ends its run; the SDK compacts only after a model's
-    answer, never right after a local tool's output, so a reviewer agent (no tools, a typed answer the grammar
-    writes) ends every second step. Tool calls and their results round-trip through the service, and through
-    its compaction."""
+    """The Agents SDK, unmodified: agents on /v1/responses whose session calls /v1/responses/compact itself once four
+    model items have piled up (no options in it: its name's default_compaction entry gives them), and goes on from the
+    compaction item. A recorder agent's turns are each a tool call it is made to send (a named tool_choice, a strict
+    schema: the engine's grammar writes it, so the turn ends the same way on any machine) and the tool's answer ends its
+    run; the SDK compacts only after a model's answer, never right after a local tool's output, so a reviewer agent (no
+    tools, a typed answer the grammar writes) ends every second step. Tool calls and their results round-trip through
+    the service, and through its compaction."""
     import asyncio
 
     from agents import (
@@ -316,8 +315,8 @@ def test_the_openai_agents_sdks_compaction_session_compacts_through_the_service(
     before = single_chunk_and_all_compactions(metrics_url)
     items, answers = asyncio.run(run())
     held_still(lambda: single_chunk_and_all_compactions(metrics_url)[1], 1.5, 30)  # Ray exports each second
-    (single, compactions), (single_then, compactions_then) = single_chunk_and_all_compactions(metrics_url), before
-    single, compactions = single - single_then, compactions - compactions_then
+    after = single_chunk_and_all_compactions(metrics_url)
+    single, compactions = after[0] - before[0], after[1] - before[1]
     # The entry's 256-token chunks, not one chunk of 2,048 (another test's late compactions may count too).
     assert compactions >= 1 and single < compactions, (single, compactions)
     assert len(calls) == len(steps) and all(str(a).startswith("recorded ") for a in answers[::2]), (calls, answers)

@@ -14,7 +14,9 @@ converted before gets the current template on the next fetch, without converting
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
+import io
 import json
 import os
 import shutil
@@ -113,11 +115,18 @@ def _convert(gguf: Path, out: Path) -> None:
 
     _say("converting the GGUF to a bf16 Hugging Face folder (about 20 s)")
     hf_logging.disable_progress_bar()  # our line above says what is happening; no bars of its own
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(
-        str(gguf.parent), gguf_file=gguf.name, dtype=torch.bfloat16,
-        quantization_config=GgufConfig(dequantize=True),
-    )  # fmt: skip
+    # transformers' GGUF reader draws a bare tqdm bar per tensor; what it writes is shown only if loading fails.
+    told = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(told):
+            tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+            model = AutoModelForCausalLM.from_pretrained(
+                str(gguf.parent), gguf_file=gguf.name, dtype=torch.bfloat16,
+                quantization_config=GgufConfig(dequantize=True),
+            )  # fmt: skip
+    except Exception:
+        sys.stderr.write(told.getvalue())
+        raise
     # The weights are plain tensors now; drop the GGUF quantisation record so the folder saves
     # and loads as an ordinary Llama checkpoint.
     model.config.__dict__.pop("quantization_config", None)

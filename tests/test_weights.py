@@ -41,3 +41,38 @@ def test_checksum_mismatch_is_refused(tmp_path: Path, monkeypatch: pytest.Monkey
     with pytest.raises(ModelNotAvailable, match="unexpected sha256"):
         weights.fetch(tampered)
     assert not weights.is_ready(tampered)
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["converted", "failed"])
+def test_the_conversion_shows_the_libraries_output_only_when_it_fails(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], fails: bool
+) -> None:
+    """transformers' GGUF reader draws a bar per tensor on stderr: hidden after our own line, shown if loading fails."""
+    import sys
+    from types import SimpleNamespace
+
+    import transformers
+
+    class Loaded:
+        config = SimpleNamespace()
+
+        def save_pretrained(self, out: str) -> None:
+            Path(out, "saved").touch()
+
+    def loading(*_: object, **__: object) -> Loaded:
+        sys.stderr.write("Converting and de-quantizing GGUF tensors...: 100%\n")
+        if fails:
+            raise OSError("truncated GGUF")
+        return Loaded()
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", loading)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", loading)
+    if fails:
+        with pytest.raises(OSError, match="truncated GGUF"):
+            weights._convert(tmp_path / "model.gguf", tmp_path)
+    else:
+        weights._convert(tmp_path / "model.gguf", tmp_path)
+        assert (tmp_path / "saved").exists()
+    told = capsys.readouterr()
+    assert "converting the GGUF" in told.out + told.err  # our own line, either way
+    assert ("de-quantizing" in told.err) is fails

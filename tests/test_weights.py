@@ -5,7 +5,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -48,10 +50,7 @@ def test_the_conversion_shows_the_libraries_output_only_when_it_fails(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], fails: bool
 ) -> None:
     """transformers' GGUF reader draws a bar per tensor on stderr: hidden after our own line, shown if loading fails."""
-    import sys
-    from types import SimpleNamespace
-
-    import transformers
+    import transformers  # heavy: only this test needs it
 
     class Loaded:
         config = SimpleNamespace()

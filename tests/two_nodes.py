@@ -44,6 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MODEL = "smollm2-135m-instruct"
 SLOT = "model_node"
 HISTORY_TURNS = 24
+DECODE = 8  # tokens per reply and chunk summary where the length is not what a phase measures
 METRICS_INTERVAL_MS = 1000  # the gauge the kill waits on is fresh within a second
 KV_CACHE_GIB = 1
 # The GCS declares a node dead after this many failed health checks a period apart (Ray's defaults, 5 of 3 s, make
@@ -75,7 +76,7 @@ def compact_body(messages: list[dict[str, str]], placement: str, forced: int = 0
         "messages": messages,
         "strategy": "parallel",
         "chunk_tokens": 256,
-        "max_chunk_summary_tokens": forced or 24,
+        "max_chunk_summary_tokens": forced or DECODE,
         "placement": placement,
         "timeout_s": 300,
     }
@@ -249,7 +250,7 @@ def affinity(url: str, conversations: list[dict[str, Any]] | str) -> dict[str, A
     if isinstance(conversations, str):
         return {"skipped": conversations}
     session = make_session(locomo_messages(conversations[1]), tokenizer(), 800, turns=2, turn_tokens=150)
-    return {"modes": asyncio.run(measure(url, session, reset_caches))}
+    return {"modes": asyncio.run(measure(url, session, reset_caches, decode_cap=DECODE))}
 
 
 def simulator(url: str, conversations: list[dict[str, Any]] | str) -> dict[str, Any]:
@@ -288,13 +289,14 @@ def simulator(url: str, conversations: list[dict[str, Any]] | str) -> dict[str, 
                             block_size=spec.block_size,
                             kv_tokens=cpu_kv_tokens(KV_CACHE_GIB, model_dir()),
                             where=url,
-                            decode_tokens=24,
+                            decode_tokens=DECODE,
                             host_parallelism=spec.host_parallelism(len(os.sched_getaffinity(0)), replicas=2),
                         )
                     )
                 return profiles[0]
 
-            workload = Workload(session.base, session.observations)
+            options = Workload([], []).options.model_copy(update={"max_chunk_summary_tokens": DECODE})
+            workload = Workload(session.base, session.observations, answer_tokens=DECODE // 2, options=options)
             return await validate(client, chat, workload, profile, reset_caches, policies=("pinned", "round_robin"))
 
     rows = asyncio.run(run())
@@ -341,7 +343,7 @@ def wait_until(check: Any, limit_s: float = 120) -> bool:
 def turn(client: httpx.Client, i: int) -> int | None:
     """One agent session's turn (sessions hash over both replicas): its status code."""
     asked = [*history(3, f"turn{i}"), {"role": "user", "content": f"Session {i}: what was said last?"}]
-    body = {"model": MODEL, "messages": asked, "max_tokens": 24}
+    body = {"model": MODEL, "messages": asked, "max_tokens": DECODE}
     try:
         return client.post("/v1/chat/completions", json=body, headers={"x-session-id": f"kill-turn-{i}"}).status_code
     except httpx.HTTPError:

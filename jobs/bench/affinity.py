@@ -89,17 +89,26 @@ MODES = {
 
 
 async def play(
-    client: httpx.AsyncClient, session: Session, *, sticky_turns: bool, session_compaction: bool, model: str = MODEL
+    client: httpx.AsyncClient,
+    session: Session,
+    *,
+    sticky_turns: bool,
+    session_compaction: bool,
+    model: str = MODEL,
+    decode_cap: int | None = None,
 ) -> dict[str, Any]:
-    """Run the agent's turns, then compact its history: the compaction's stats plus the turns' prompt tokens."""
+    """Run the agent's turns, then compact its history: the compaction's stats plus the turns' prompt tokens.
+    `decode_cap`: replies and chunk summaries of at most this many tokens instead of 24 and 32 (a shorter run; the
+    modes still compare like with like)."""
     session_id = f"agent-{uuid.uuid4().hex[:8]}"
     headers = {"x-session-id": session_id} if sticky_turns else {}
     messages = list(session.base)
     turns = {"prompt_tokens": 0, "cached_tokens": 0}
     listed = {"tools": session.tools} if session.tools else {}
+    compaction = COMPACTION | ({"max_chunk_summary_tokens": decode_cap} if decode_cap else {})
 
     async def call(messages: list[dict[str, Any]]) -> str:
-        body = {"model": model, "messages": messages, "max_tokens": 24, "temperature": 0.0, **listed}
+        body = {"model": model, "messages": messages, "max_tokens": decode_cap or 24, "temperature": 0.0, **listed}
         response = await client.post("/v1/chat/completions", json=body, headers=headers)
         response.raise_for_status()
         turn = response.json()
@@ -113,7 +122,7 @@ async def play(
     for at in session.calls:  # a replayed trace: the model is called, the trace's own reply follows
         messages = (session.replay or [])[:at]
         await call(messages)
-    request: dict[str, Any] = {"model": model, "messages": messages, **COMPACTION, **listed}
+    request: dict[str, Any] = {"model": model, "messages": messages, **compaction, **listed}
     if session_compaction:
         request["session_id"] = session_id
     else:
@@ -136,13 +145,15 @@ def figure(label: str, stats: dict[str, Any]) -> str:
     )
 
 
-async def measure(url: str, session: Session, reset: Any) -> dict[str, dict[str, Any]]:
-    """Every mode, each after `reset()` empties the replicas' prefix caches."""
+async def measure(url: str, session: Session, reset: Any, decode_cap: int | None = None) -> dict[str, dict[str, Any]]:
+    """Every mode, each after `reset()` empties the replicas' prefix caches (`decode_cap`: see `play`)."""
     out = {}
     async with httpx.AsyncClient(base_url=url, headers=client_headers(), timeout=900) as client:
         for label, (sticky, named) in MODES.items():
             await reset()
-            out[label] = await play(client, session, sticky_turns=sticky, session_compaction=named)
+            out[label] = await play(
+                client, session, sticky_turns=sticky, session_compaction=named, decode_cap=decode_cap
+            )
     return out
 
 

@@ -182,7 +182,7 @@ def test_every_hostile_request_of_the_soak_is_refused_naming_its_field(client: h
 
 def test_failing_background_runs_leave_the_coordinators_memory_as_it_was(service: Any) -> None:
     """Eight turns whose background run fails in planning, each carrying about 40 KiB of extra fields inside its
-    ten content parts: a failed run keeps its failure only, so the coordinators' RSS grows by less than one such
+    six content parts: a failed run keeps its failure only, so the coordinators' RSS grows by less than one such
     request held in the coordinator used to (24 of them grew the two coordinators by about 800 MiB)."""
     import ray
 
@@ -190,10 +190,10 @@ def test_failing_background_runs_leave_the_coordinators_memory_as_it_was(service
     from tests.support import SERVICE_KEY
 
     node = ray.get_runtime_context().get_node_id()
-    asyncio.run(failing_runs(service.url, 2, SERVICE_KEY, tag="warm", parts=10))  # the paths' first allocations
+    asyncio.run(failing_runs(service.url, 2, SERVICE_KEY, tag="warm", parts=6))  # the paths' first allocations
     before = coordinators_rss(node)
-    started = asyncio.run(failing_runs(service.url, 8, SERVICE_KEY, tag="padded", parts=10))
-    ended = asyncio.run(failing_runs(service.url, 8, SERVICE_KEY, tag="padded", parts=10))  # each run has failed by now
+    started = asyncio.run(failing_runs(service.url, 8, SERVICE_KEY, tag="padded", parts=6))
+    ended = asyncio.run(failing_runs(service.url, 8, SERVICE_KEY, tag="padded", parts=6))  # each run has failed by now
     after = coordinators_rss(node)
     assert started == {"running": 8} and ended == {"none": 8}, (started, ended)
     print(f"coordinators' RSS {before / 2**20:.0f} -> {after / 2**20:.0f} MiB")

@@ -34,7 +34,7 @@ MC = {
             "datasets": ["locomo_mc"],
             "chunk_tokens": [128],
             "taus": [200],
-            "summary_tokens": 48,
+            "summary_tokens": 16,
             "answer_tokens": 8,
         }
     ],

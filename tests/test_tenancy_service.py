@@ -149,7 +149,7 @@ def test_the_engines_prefix_cache_tells_nothing_across_tenants(client: httpx.Cli
 
 
 def test_the_chunk_cache_reuses_only_a_tenants_own_summaries(client: httpx.Client) -> None:
-    words = " ".join(f"w{uuid.uuid4().hex[:6]}" for _ in range(40))
+    words = " ".join(f"w{uuid.uuid4().hex[:6]}" for _ in range(24))
     history = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"{i}: {words}"} for i in range(8)]
     body = {"model": SERVED_MODEL, "messages": history, "chunk_tokens": 256, "max_chunk_summary_tokens": 8}
     body |= {"keep_recent_tokens": 0, "retry_bad_summaries": False}  # random words: summaries fail their checks

@@ -148,7 +148,7 @@ async def failing_runs(
     parts: less to prefill, as much to hold); the turns' compaction statuses. Sent again (the same `tag`), the same
     turns say how each run ended: "none" (failed), "running" or "applied" (it did not fail)."""
     pad = {"cache_control": {"type": "ephemeral", "pad": "x" * (40 * 1024 // parts)}}
-    entry = {"type": "compaction", "compact_threshold": 4000, "background_threshold": 200, "chunk_tokens": 4}
+    entry = {"type": "compaction", "compact_threshold": 4000, "background_threshold": 128, "chunk_tokens": 4}
     statuses: Counter[str] = Counter()
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
         for n in range(count):

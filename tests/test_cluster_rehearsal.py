@@ -27,6 +27,7 @@ import pytest
 import yaml
 
 from jobs.sweep import RAY_START_TIMEOUT
+from tests.cluster_rehearsal import NODES_MISSING
 
 pytestmark = pytest.mark.ray
 
@@ -100,46 +101,63 @@ def start_ahead(work: Path) -> Callable[[], dict[str, Any]]:
     driver_env = env | {"PYTHONPATH": str(ROOT)}
     out = work / "placements.json"
 
+    def start_node(node_type: str, temp_dir: str) -> int:
+        """`ray start` for one node in a process group of its own (returned); its output appended to its log."""
+        if node_type == "head":
+            where = [f"--port={GCS_PORT}", "--head", "--include-dashboard=false", f"--temp-dir={temp_dir}"]
+            where += ["--ray-client-server-port=18201", "--dashboard-port=18208"]
+        else:
+            where = [f"--address=127.0.0.1:{GCS_PORT}"]
+        log = Path(temp_dir) / f"{node_type}.log"
+        with log.open("a") as written:
+            proc = subprocess.Popen(
+                [RAY, "start", *where, *node_args(node_type, types[node_type]["resources"])],
+                stdout=written,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
+        # A worker's `ray start` gives up after Ray's fixed 30 s when the GCS is slow to answer (a loaded machine)
+        # and leaves its raylet starting: the driver waits for every node kind (`--kinds`).
+        if proc.wait(timeout=180) != 0 and (node_type == "head" or RAY_START_TIMEOUT not in log.read_text()):
+            raise RuntimeError(f"ray start for {node_type} failed: {log.read_text()}")
+        return proc.pid
+
     def run() -> dict[str, Any]:
         temp_dir = tempfile.mkdtemp(prefix="rcl", dir="/tmp")
-        address = f"127.0.0.1:{GCS_PORT}"
-        groups: list[int] = []
+        groups: dict[str, int] = {}
         try:
-            for node_type in ("head", "gpu-h100x2-nvlink", "gpu-h100x1"):  # one at a time: at once overloads the GCS
-                if node_type == "head":
-                    where = [f"--port={GCS_PORT}", "--head", "--include-dashboard=false", f"--temp-dir={temp_dir}"]
-                    where += ["--ray-client-server-port=18201", "--dashboard-port=18208"]
-                else:
-                    where = [f"--address={address}"]
-                log = Path(temp_dir) / f"{node_type}.log"
-                with log.open("w") as written:
-                    proc = subprocess.Popen(
-                        [RAY, "start", *where, *node_args(node_type, types[node_type]["resources"])],
-                        stdout=written,
-                        stderr=subprocess.STDOUT,
-                        env=env,
-                        start_new_session=True,
-                    )
-                groups.append(proc.pid)
-                # A worker's `ray start` gives up after Ray's fixed 30 s when the GCS is slow to answer (a loaded
-                # machine) and leaves its raylet starting: the driver waits for all three nodes (`--nodes`).
-                if proc.wait(timeout=180) != 0 and (node_type == "head" or RAY_START_TIMEOUT not in log.read_text()):
-                    raise RuntimeError(f"ray start for {node_type} failed: {log.read_text()}")
-            command = [sys.executable, str(ROOT / "tests" / "cluster_rehearsal.py"), "--address", address]
-            driver = subprocess.run(
-                [*command, "--nodes", "3", "--out", str(out)],
-                cwd=ROOT,
-                env=driver_env,
-                capture_output=True,
-                text=True,
-                timeout=600,
-            )
+            for node_type in NODE_PORTS:  # one at a time: at once overloads the GCS
+                groups[node_type] = start_node(node_type, temp_dir)
+            command = [
+                sys.executable,
+                str(ROOT / "tests" / "cluster_rehearsal.py"),
+                "--address",
+                f"127.0.0.1:{GCS_PORT}",
+            ]
+            command += ["--kinds", ",".join(KIND_OF_NODE_TYPE.values()), "--nodes-wait-s", "150", "--out", str(out)]
+            for attempt in range(3):
+                driver = subprocess.run(command, cwd=ROOT, env=driver_env, capture_output=True, text=True, timeout=600)
+                if driver.returncode != NODES_MISSING:
+                    break
+                # A worker whose raylet never registered (or was given up for dead) on a loaded machine: once its
+                # process group is gone, a new `ray start` brings a new node of its type.
+                missing = json.loads(out.read_text())["missing"]
+                restart = [node_type for node_type, kind in KIND_OF_NODE_TYPE.items() if kind in missing]
+                if attempt == 2 or "head" in restart:
+                    logs = {
+                        node_type: (Path(temp_dir) / f"{node_type}.log").read_text()[-2000:] for node_type in restart
+                    }
+                    raise RuntimeError(f"rehearsal nodes {missing} not alive after three starts: {logs}")
+                for node_type in restart:
+                    kill_group(groups[node_type])
+                    groups[node_type] = start_node(node_type, temp_dir)
             if driver.returncode != 0:
                 raise RuntimeError(f"the rehearsal's driver failed: {driver.stderr[-4000:]}")
             result: dict[str, Any] = json.loads(out.read_text())
             return result
         finally:
-            for pgid in reversed(groups):
+            for pgid in reversed(groups.values()):
                 kill_group(pgid)
             for pid in leftover_pids(temp_dir):
                 os.kill(pid, signal.SIGKILL)

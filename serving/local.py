@@ -37,7 +37,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 # Serve's controller reconciles every 0.1 s by default; on a 2-core machine that costs the engines ~6 % of a core.
-CONTROL_ENV = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5"}
+# It gives a starting HTTP proxy 3 checks of 5 s to answer ready, then replaces it, and `serve.start`, which waits
+# on the first proxy, fails: a proxy that imports its modules beside vLLM's engines on two cores can take longer.
+CONTROL_ENV = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5", "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "30"}
 NOISY_LOGGERS = (
     "ray",
     "vllm",

@@ -21,7 +21,7 @@ import psutil
 import pytest
 
 from jobs.bench.processes import service_processes
-from serving.local import APP_NAME, LocalService
+from serving.local import APP_NAME, CONTROL_ENV, LocalService
 from serving.models import CPU_ENGINE_ENV
 from tests.support import SERVED_MODEL, SERVICE_LIMITS, auth, samples, scrape
 
@@ -194,6 +194,18 @@ def test_the_engines_run_without_onednns_global_primitive_cache(client: httpx.Cl
     for engine in engines:
         env = psutil.Process(engine.pid).environ()
         assert {name: env.get(name) for name in CPU_ENGINE_ENV} == CPU_ENGINE_ENV, engine
+
+
+def test_serves_controller_has_the_local_services_control_settings(client: httpx.Client) -> None:
+    """Serve's controller reads serving.local CONTROL_ENV from its environment (the cluster's runtime_env): its
+    control loop's interval, and the time a starting HTTP proxy has to answer ready before Serve replaces it and
+    `serve.start` fails."""
+    assert client.get("/healthz").status_code == 200
+    controllers = [p for p in service_processes() if p.role == "controller"]
+    assert controllers
+    for controller in controllers:
+        env = psutil.Process(controller.pid).environ()
+        assert {name: env.get(name) for name in CONTROL_ENV} == CONTROL_ENV, controller
 
 
 def ask_coordinators(question: Callable[[Any], Any]) -> dict[str, Any]:

@@ -185,27 +185,28 @@ async def test_abandoned_compactions_stop_on_the_engines(service: LocalService, 
     assert settled <= 4.0 and after < 2000, (settled, after)
 
 
-def test_the_engines_run_without_onednns_global_primitive_cache(client: httpx.Client) -> None:
-    """Every engine process of the service's replicas has the CPU engines' environment (serving.models
-    CPU_ENGINE_ENV): without it, an engine serving prompts of every length grows with each new batch shape."""
+@pytest.mark.parametrize(
+    ("role", "wanted"),
+    [
+        # serving.models CPU_ENGINE_ENV: without it, an engine serving prompts of every length grows with each new
+        # batch shape (oneDNN's global primitive cache).
+        ("engine", CPU_ENGINE_ENV),
+        # serving.local CONTROL_ENV, from the cluster's runtime_env: Serve's control loop interval, and the time a
+        # starting HTTP proxy has to answer ready before Serve replaces it and `serve.start` fails.
+        ("controller", CONTROL_ENV),
+    ],
+)
+def test_the_services_processes_have_the_environment_they_are_tuned_by(
+    client: httpx.Client, role: str, wanted: dict[str, str]
+) -> None:
+    """Each process of the role (the replicas' engines in processes of their own; Serve's controller) reads the
+    settings from its environment."""
     assert client.get("/healthz").status_code == 200
-    engines = [p for p in service_processes() if p.role == "engine" and p.node_id is not None]
-    assert engines, "the service's replicas run their engines in processes of their own"
-    for engine in engines:
-        env = psutil.Process(engine.pid).environ()
-        assert {name: env.get(name) for name in CPU_ENGINE_ENV} == CPU_ENGINE_ENV, engine
-
-
-def test_serves_controller_has_the_local_services_control_settings(client: httpx.Client) -> None:
-    """Serve's controller reads serving.local CONTROL_ENV from its environment (the cluster's runtime_env): its
-    control loop's interval, and the time a starting HTTP proxy has to answer ready before Serve replaces it and
-    `serve.start` fails."""
-    assert client.get("/healthz").status_code == 200
-    controllers = [p for p in service_processes() if p.role == "controller"]
-    assert controllers
-    for controller in controllers:
-        env = psutil.Process(controller.pid).environ()
-        assert {name: env.get(name) for name in CONTROL_ENV} == CONTROL_ENV, controller
+    processes = [p for p in service_processes() if p.role == role and (role != "engine" or p.node_id is not None)]
+    assert processes, f"no {role} process found among the service's"
+    for process in processes:
+        env = psutil.Process(process.pid).environ()
+        assert {name: env.get(name) for name in wanted} == wanted, process
 
 
 def ask_coordinators(question: Callable[[Any], Any]) -> dict[str, Any]:

@@ -2,7 +2,9 @@
 first, at the end of the run. On a CPU without native bf16 the suite's time is mostly prefill (float32, about
 200 tokens/s on two cores: docs/core.md), so this is the table to read before making a test cheaper.
 
-vLLM's counters are read from Ray's metrics endpoint before and after the body of each test marked `ray`; they
+vLLM's counters are read from Ray's metrics endpoint before the set-up and after the body of each test marked `ray`
+(a module's fixture counts to its first test; the test that starts the session's service counts from when it is up);
+they
 reach it up to an export interval late, so each reading waits that long first (the run is slower by about 2.5 s a
 test). Work a test leaves running (a background run still decoding) is counted to the tests after it; the
 `busy` column (requests on the engines as the test's body began) points at the tests that inherit such work, and a
@@ -28,6 +30,7 @@ COUNTERS = {
 }
 ROWS = pytest.StashKey[list[tuple[int, int, int, int, float, str]]]()
 BEFORE = pytest.StashKey[tuple[dict[str, float] | None, float]]()
+SERVICE_UP = pytest.StashKey[tuple[dict[str, float] | None, float]]()
 
 
 def engine_counters(text: str) -> dict[str, float]:
@@ -52,11 +55,27 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 @pytest.hookimpl(wrapper=True)
+def pytest_fixture_setup(fixturedef: pytest.FixtureDef[Any], request: pytest.FixtureRequest) -> Iterator[Any]:
+    """The counters as the session's service comes up, for the test whose set-up started it."""
+    result = yield
+    if fixturedef.argname == "service":
+        request.config.stash[SERVICE_UP] = (read(), time.monotonic())
+    return result
+
+
+@pytest.hookimpl(wrapper=True)
 def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
-    """The counters once the test's fixtures are up (the session's service, for the first test that needs it)."""
-    yield
-    if item.get_closest_marker("ray") is not None:
+    """The counters before the test's fixtures are set up, so that the work of a module's fixture that plays
+    sessions on the service (tests/test_agents.py) counts to its first test; for the test that starts the session's
+    service, from the moment it is up (its start, warm-up included, is not counted)."""
+    marked = item.get_closest_marker("ray") is not None
+    if marked:
         item.stash[BEFORE] = (read(), time.monotonic())
+    yield
+    if marked and item.stash[BEFORE][0] is None:
+        item.stash[BEFORE] = item.config.stash.get(SERVICE_UP, (None, 0.0))
+        if item.stash[BEFORE][0] is None:
+            item.stash[BEFORE] = (read(), time.monotonic())
 
 
 @pytest.hookimpl(wrapper=True)
@@ -81,7 +100,8 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
     if not rows:
         return
     write = terminalreporter.write_line
-    write(f"\nprefill the service's engines computed, per test ({sum(r[0] for r in rows):,} tokens in all):")
+    in_all = f"{sum(r[0] for r in rows):,} prompt tokens computed, {sum(r[2] for r in rows):,} generated"
+    write(f"\nthe service's engines, per test ({in_all}):")
     write(f"{'computed':>9} {'prompt':>8} {'generated':>9} {'busy':>4} {'s':>6}  test")
     for computed, prompt, generated, busy, seconds, name in rows[:30]:
         write(f"{computed:>9,} {prompt:>8,} {generated:>9,} {busy:>4} {seconds:>6.1f}  {name}")

@@ -3,12 +3,11 @@ first, at the end of the run. On a CPU without native bf16 the suite's time is m
 200 tokens/s on two cores: docs/core.md), so this is the table to read before making a test cheaper.
 
 vLLM's counters are read from Ray's metrics endpoint before the set-up and after the body of each test marked `ray`
-(a module's fixture counts to its first test; the test that starts the session's service counts from when it is up);
-they
-reach it up to an export interval late, so each reading waits that long first (the run is slower by about 2.5 s a
-test). Work a test leaves running (a background run still decoding) is counted to the tests after it; the
-`busy` column (requests on the engines as the test's body began) points at the tests that inherit such work, and a
-test that waits for idle engines waits for it.
+(a module's fixture counts to its first test; a test whose set-up starts the session's cluster counts from when the
+service is up). They reach it up to an export interval late, so each reading waits that long first (the run is
+slower by about 2.5 s a test). Work a test leaves running (a background run still decoding) is counted to the
+tests after it; the `busy` column (requests on the engines as the test's body began) points at the tests that
+inherit such work, and a test that waits for idle engines waits for it.
 """
 
 from __future__ import annotations
@@ -66,16 +65,15 @@ def pytest_fixture_setup(fixturedef: pytest.FixtureDef[Any], request: pytest.Fix
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
     """The counters before the test's fixtures are set up, so that the work of a module's fixture that plays
-    sessions on the service (tests/test_agents.py) counts to its first test; for the test that starts the session's
-    service, from the moment it is up (its start, warm-up included, is not counted)."""
+    sessions on the service (tests/test_agents.py) counts to its first test. Before the session's cluster is up
+    there is nothing to read: then from the moment the service is up (its start is not counted)."""
     marked = item.get_closest_marker("ray") is not None
     if marked:
         item.stash[BEFORE] = (read(), time.monotonic())
     yield
     if marked and item.stash[BEFORE][0] is None:
-        item.stash[BEFORE] = item.config.stash.get(SERVICE_UP, (None, 0.0))
-        if item.stash[BEFORE][0] is None:
-            item.stash[BEFORE] = (read(), time.monotonic())
+        up = item.config.stash.get(SERVICE_UP, (None, 0.0))
+        item.stash[BEFORE] = up if up[0] is not None else (read(), time.monotonic())
 
 
 @pytest.hookimpl(wrapper=True)

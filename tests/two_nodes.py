@@ -5,9 +5,10 @@ started on its own half of the machine's cores (as two hosts would be) and decla
 default model runs two replicas that ask for that slot, hence one per node (a catalogue copy with
 `replica_resources`), each computing on its node's cores. On that service, in order:
 
-1. affinity: an agent session played in jobs.bench.affinity's three modes, the prefix caches emptied before each;
-2. simulator: jobs.sim.validate for the two placement policies that bound the others, calibrated on the live service;
-3. node loss: while a compaction whose chunks are spread over both replicas runs on the engines (the victim node's
+1. affinity and the simulator: jobs.sim.validate for the two placement policies that bound the others (an agent
+   session whose compaction runs pinned to the session's replica, then round robin, the prefix caches emptied before
+   each), calibrated on the live service (jobs.bench.affinity also measures the session without affinity anywhere);
+2. node loss: while a compaction whose chunks are spread over both replicas runs on the engines (the victim node's
    vLLM gauge shows its requests running; every chunk summary is forced to a length that doubles until the
    compaction is still running when the gauge shows it, so it is long by measurement on any CPU) and six agent
    sessions' turns are in flight, the whole worker node of one replica (its raylet, its replica and engine, whatever
@@ -23,7 +24,6 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
-import functools
 import json
 import os
 import threading
@@ -197,7 +197,6 @@ def run(out: Path, work: Path) -> dict[str, Any]:
         figures["replica_nodes"] = sorted({p.node_id for p in on_workers if p.role == "replica"})
         figures["engine_cores"] = sorted({tuple(psutil.Process(p.pid).cpu_affinity()) for p in engines})
         conversations = locomo()
-        figures["affinity"] = phase("affinity", lambda: affinity(service.url, conversations))
         figures["simulator"] = phase("simulator", lambda: simulator(service.url, conversations))
         figures["node_loss"] = phase("node loss", lambda: kill_and_measure(cluster, workers, service.url))
     finally:
@@ -225,15 +224,6 @@ def locomo() -> list[dict[str, Any]] | str:
     return list(json.loads(LOCOMO_PATH.read_text()))
 
 
-@functools.cache
-def tokenizer() -> Any:
-    """The CPU default model's real tokenizer, loaded once for both phases that need it."""
-    from compaction.tokenizer import HFChatTokenizer
-    from serving.weights import model_dir
-
-    return HFChatTokenizer.from_path(model_dir())
-
-
 async def reset_caches() -> None:
     from ray import serve
 
@@ -242,22 +232,12 @@ async def reset_caches() -> None:
     await serve.get_deployment_handle("Coordinator", app_name=APP_NAME).reset_prefix_cache.remote(MODEL)
 
 
-def affinity(url: str, conversations: list[dict[str, Any]] | str) -> dict[str, Any]:
-    """jobs.bench.affinity's modes on an agent session of 800 tokens and two turns."""
-    from jobs.bench.affinity import make_session, measure
-    from jobs.data.conversations import locomo_messages
-
-    if isinstance(conversations, str):
-        return {"skipped": conversations}
-    session = make_session(locomo_messages(conversations[1]), tokenizer(), 800, turns=2, turn_tokens=150)
-    return {"modes": asyncio.run(measure(url, session, reset_caches, decode_cap=DECODE))}
-
-
 def simulator(url: str, conversations: list[dict[str, Any]] | str) -> dict[str, Any]:
     """jobs.sim.validate for pinned and round_robin; the CPU profile calibrated once, from the live service (the
     latencies are printed, not bounded: one timing each on a shared machine)."""
     from compaction.history import parse_messages
     from compaction.render import render_history
+    from compaction.tokenizer import HFChatTokenizer
     from jobs.bench.affinity import make_session
     from jobs.data.conversations import locomo_messages
     from jobs.sim.calibrate import calibrate, calibration_prompt, cpu_kv_tokens
@@ -269,7 +249,7 @@ def simulator(url: str, conversations: list[dict[str, Any]] | str) -> dict[str, 
 
     if isinstance(conversations, str):
         return {"skipped": conversations}
-    chat = tokenizer()
+    chat = HFChatTokenizer.from_path(model_dir())
     conversation = locomo_messages(conversations[0])
     session = make_session(conversation, chat, 800, turns=2, turn_tokens=120)
     history = render_history(parse_messages(conversation), chat).token_ids

@@ -13,6 +13,7 @@ property). Compared: prompt tokens computed (engine-reported vs simulated cache)
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from collections.abc import Awaitable, Callable, Generator, Sequence
 from dataclasses import dataclass, field
@@ -61,6 +62,10 @@ class Measured:
     compaction_computed_tokens: int
     compaction_latency_s: float
     chunk_replicas: list[int]  # 0 = the session's home replica
+    # the real compaction's report (None in the simulator): where its chunks went and why, and the share of its
+    # history prompt tokens the engines served from their prefix caches
+    placement: str | None = None
+    history_cached_fraction: float | None = None
 
 
 async def run_real(
@@ -90,7 +95,10 @@ async def run_real(
     response = await client.post("/v1/compact", json=request)
     response.raise_for_status()
     stats = response.json()["stats"]
-    measured = Measured(prompts, computed, stats["computed_prefill_tokens"], stats["latency_s"], [])
+    measured = Measured(
+        prompts, computed, stats["computed_prefill_tokens"], stats["latency_s"], [],
+        stats["placement"]["kind"], stats["history_cached_fraction"],
+    )  # fmt: skip
     return measured, stats, messages
 
 
@@ -178,8 +186,7 @@ async def validate(
         prompts = chunk_prompts(tokenizer, messages, workload, profile.block_size)
         outputs = [c["output_tokens"] for c in stats["per_chunk"]]
         sim = run_sim(profile, real.turn_prompt_tokens, workload.answer_tokens, prompts, max(outputs), targets)
-        rows[policy] = (Measured(real.turn_prompt_tokens, real.turn_computed_tokens, real.compaction_computed_tokens,
-                                 real.compaction_latency_s, targets), sim, profile)  # fmt: skip
+        rows[policy] = (dataclasses.replace(real, chunk_replicas=targets), sim, profile)
     return rows
 
 

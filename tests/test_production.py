@@ -191,16 +191,19 @@ async def test_abandoned_compactions_stop_on_the_engines(service: LocalService, 
         # serving.models CPU_ENGINE_ENV: without it, an engine serving prompts of every length grows with each new
         # batch shape (oneDNN's global primitive cache).
         ("engine", CPU_ENGINE_ENV),
-        # serving.local CONTROL_ENV, from the cluster's runtime_env: Serve's control loop interval, and the time a
-        # starting HTTP proxy has to answer ready before Serve replaces it and `serve.start` fails.
+        # serving.local CONTROL_ENV, from the cluster's runtime_env: Serve's control loop interval, the time a
+        # starting HTTP proxy has to answer ready before Serve replaces it and `serve.start` fails, and how often
+        # the replicas and handles hand Ray their request metrics.
         ("controller", CONTROL_ENV),
+        ("ingress", CONTROL_ENV),
+        ("coordinator", CONTROL_ENV),
     ],
 )
 def test_the_services_processes_have_the_environment_they_are_tuned_by(
     client: httpx.Client, role: str, wanted: dict[str, str]
 ) -> None:
-    """Each process of the role (the replicas' engines in processes of their own; Serve's controller) reads the
-    settings from its environment."""
+    """Each process of the role (the replicas' engines in processes of their own; Serve's controller and the
+    application's replicas) reads the settings from its environment."""
     assert client.get("/healthz").status_code == 200
     processes = [p for p in service_processes() if p.role == role and (role != "engine" or p.node_id is not None)]
     assert processes, f"no {role} process found among the service's"

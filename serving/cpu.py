@@ -15,8 +15,10 @@ BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})  # x86 AVX512-BF
 # The environment of every CPU engine. oneDNN keeps up to 1,024 primitives per process, one for each shape it has
 # met, beside vLLM-CPU's own 32 per linear layer: with prompts of every length the engine grew by 509 MiB (16 %) in
 # 150 batches and kept growing; without the global cache it settled after 60 batches at +210 MiB, as fast
-# (docs/benchmarks.md, the soak).
-CPU_ENGINE_ENV = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "0"}
+# (docs/benchmarks.md, the soak). OpenMP's threads sleep as soon as they wait, instead of spinning first: on two
+# cores their spinning took the CPU from the engine's own scheduler and from every other process, and a decode step
+# of one sequence took 1.4x as long (1.5x beside two busy processes); prefill is as fast (docs/placement.md).
+CPU_ENGINE_ENV = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "0", "OMP_WAIT_POLICY": "PASSIVE"}
 
 
 def cpu_dtype(cpuinfo: Path = Path("/proc/cpuinfo"), environ: Mapping[str, str] = os.environ) -> CpuDtype:

@@ -1,7 +1,7 @@
 """What background compaction costs an agent's turns on one engine, per scheduling rule.
 
     python -m jobs.bench.yielding [--rules fcfs,priority,yield,yield-256] [--turns 6] [--json PATH]
-    python -m jobs.bench.yielding --speed auto,nobind,0-1 [--dtype bfloat16]
+    python -m jobs.bench.yielding --speed auto,nobind,0-1,0-1/active [--dtype bfloat16] [--busy 2]
 
 Per rule, one in-process vLLM-CPU engine (the CPU default model) and two phases on the same prefix
 cache state: an agent's turns alone (its ~2.5k-token history cached, each turn a new observation
@@ -18,7 +18,9 @@ ratio, and how long the compaction took. Rules:
     yield-N-solo  the same, and background requests do not even decode beside the agent's
 
 `--speed` measures instead one bare engine per `VLLM_CPU_OMP_THREADS_BIND` value (auto, nobind, or a core
-list such as 0-1): a cold prefill of 3,072 tokens, then 32 decode steps of one sequence and of eight.
+list such as 0-1), each optionally with OpenMP's wait policy (`0-1/active`; by default the CPU engines' own,
+serving.cpu.CPU_ENGINE_ENV): a cold prefill of 3,072 tokens, then 32 decode steps of one sequence and of eight.
+`--busy N` runs N processes that only spin beside each engine (a host whose cores other work shares).
 """
 
 from __future__ import annotations
@@ -156,22 +158,32 @@ async def engine_speed(backend: Any) -> dict[str, Any]:
 
 def run_speed(args: argparse.Namespace) -> int:
     import os
+    import subprocess
 
     from serving.backends import VLLMBackend
+    from serving.cpu import CPU_ENGINE_ENV
     from serving.local import hush
     from serving.weights import fetch
 
     hush()
     model = fetch()
     rows = []
-    for bind in args.speed.split(","):
-        say(f"binding {bind}: starting an engine ({args.dtype})")
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind
-        backend = VLLMBackend.start(model, max_model_len=8192, dtype=args.dtype)
+    for spec in args.speed.split(","):
+        bind, _, wait = spec.partition("/")
+        wait = wait or CPU_ENGINE_ENV["OMP_WAIT_POLICY"]
+        say(f"binding {bind}, OpenMP waits {wait}, {args.busy} busy beside: starting an engine ({args.dtype})")
+        os.environ |= {"VLLM_CPU_OMP_THREADS_BIND": bind, "OMP_WAIT_POLICY": wait}  # the engine's processes inherit
+        busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
         try:
-            rows.append({"binding": bind, "dtype": args.dtype, **asyncio.run(engine_speed(backend))})
+            backend = VLLMBackend.start(model, max_model_len=8192, dtype=args.dtype)
+            try:
+                speed = asyncio.run(engine_speed(backend))
+            finally:
+                backend.shutdown()
         finally:
-            backend.shutdown()
+            for process in busy:
+                process.kill()
+        rows.append({"binding": bind, "omp_wait": wait.lower(), "busy": args.busy, "dtype": args.dtype, **speed})
         say(" ".join(f"{k}={v}" for k, v in rows[-1].items()))
     print(table(rows, list(rows[0])))
     return 0
@@ -214,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--speed", help="bare engine speed per VLLM_CPU_OMP_THREADS_BIND value instead (e.g. auto,0-1)")
     parser.add_argument("--dtype", default=None, help="--speed: the engines' dtype (default: serving.cpu.cpu_dtype)")
+    parser.add_argument("--busy", type=int, default=0, help="--speed: processes that only spin beside each engine")
     args = parser.parse_args(argv)
     if args.speed:
         from serving.cpu import cpu_dtype

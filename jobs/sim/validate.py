@@ -62,8 +62,8 @@ class Measured:
     compaction_computed_tokens: int
     compaction_latency_s: float
     chunk_replicas: list[int]  # 0 = the session's home replica
-    # the real compaction's report (None in the simulator): where its chunks went and why, and the share of its
-    # history prompt tokens the engines served from their prefix caches
+    # the real compaction's report (None in the simulator): the placement its chunks got (pinned, spread,
+    # round_robin), and the share of its history prompt tokens the engines served from their prefix caches
     placement: str | None = None
     history_cached_fraction: float | None = None
 

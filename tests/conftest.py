@@ -162,19 +162,17 @@ class Ahead:
         return self.programs[module.__name__].result()
 
     def begin(self, items: list[pytest.Item]) -> None:
-        """Start what the session's tests need, once: Ray here, the engine and the service's replicas in threads.
-        The service's application is built here before the engine's thread starts: both import vLLM, and two threads
-        importing it at once can fail ("cannot import name 'PreTrainedConfig' from 'transformers'")."""
+        """Start what the session's tests need, once: Ray here, the engine and the service's replicas in threads."""
         if self.begun:
             return
         self.begun = True
         names = {name for item in items for name in getattr(item, "fixturenames", ())}
+        if "engine" in names and is_ready():
+            self.started["engine"] = self.threads.submit(start_engine, model_dir())
         if "ray_cluster" in names:
             cluster = self.started["ray_cluster"] = settled(start_ray)
             if "service" in names:
                 self.started["service"] = cluster if cluster.exception() else self.deploy()
-        if "engine" in names and is_ready():
-            self.started["engine"] = self.threads.submit(start_engine, model_dir())
 
     def deploy(self) -> Future[Any]:
         """The shared service, built here and deployed in a thread: the future holds the running service."""

@@ -16,8 +16,8 @@ BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})  # x86 AVX512-BF
 # met, beside vLLM-CPU's own 32 per linear layer: with prompts of every length the engine grew by 509 MiB (16 %) in
 # 150 batches and kept growing; without the global cache it settled after 60 batches at +210 MiB, as fast
 # (docs/benchmarks.md, the soak). OpenMP's threads sleep as soon as they wait, instead of spinning first: on two
-# cores their spinning took the CPU from the engine's own scheduler and from every other process, and a decode step
-# of one sequence took 1.4x as long (1.5x beside two busy processes); prefill is as fast (docs/placement.md).
+# cores shared with other busy processes (a service's coordinators, ingress and clients) a decode step of one
+# sequence took 473 ms instead of 599, prefill as fast; alone on the machine, within +-10 % (docs/placement.md).
 CPU_ENGINE_ENV = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "0", "OMP_WAIT_POLICY": "PASSIVE"}
 
 

@@ -228,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default=None, help="--speed: the engines' dtype (default: serving.cpu.cpu_dtype)")
     parser.add_argument("--busy", type=int, default=0, help="--speed: processes that only spin beside each engine")
     args = parser.parse_args(argv)
+    if args.busy and not args.speed:
+        parser.error("--busy applies to --speed only")
     if args.speed:
         from serving.cpu import cpu_dtype
 

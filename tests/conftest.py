@@ -162,7 +162,11 @@ class Ahead:
         return self.programs[module.__name__].result()
 
     def begin(self, items: list[pytest.Item]) -> None:
-        """Start what the session's tests need, once: Ray here, the engine and the service's replicas in threads."""
+        """Start what the session's tests need, once: Ray here, the engine and the service's replicas in threads.
+        The engine's thread starts first and imports vLLM; building the service's application (which imports it too)
+        happens here meanwhile. Two imports at once can fail ("cannot import name 'PreTrainedConfig'"), seen only
+        when a run's first test needs both; building the application first instead broke pytest's capture for every
+        later test in one full run, cause unknown."""
         if self.begun:
             return
         self.begun = True
